@@ -1,0 +1,147 @@
+"""Tactic selection: token buckets, the `autotune()` context manager and a persistent tuning cache.
+
+A tactic is a flat tuple of ints that a backend understands. Under `autotune(True)` every candidate a backend
+offers for a problem is profiled once per (op key, token bucket) and the fastest is cached; outside it the cached
+tactic is used, else the backend's default. Profiling never runs while a CUDA graph is being captured.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import threading
+import time
+from typing import Callable, Sequence
+
+import torch
+
+Tactic = tuple
+
+
+def token_bucket(num_tokens: int) -> int:
+    """Round T up to FlashInfer's hybrid buckets: powers of 2 to 256, steps of 256 to 2048, of 512 to 4096, then
+    powers of 2 again."""
+    if num_tokens <= 256:
+        return 1 << max(0, (num_tokens - 1).bit_length())
+    if num_tokens <= 2048:
+        return -(-num_tokens // 256) * 256
+    if num_tokens <= 4096:
+        return -(-num_tokens // 512) * 512
+    return 1 << (num_tokens - 1).bit_length()
+
+
+def bucket_list(max_num_tokens: int) -> list[int]:
+    """Every bucket up to and including the one holding max_num_tokens."""
+    buckets, t = [], 1
+    while True:
+        b = token_bucket(t)
+        buckets.append(b)
+        if b >= max_num_tokens:
+            return buckets
+        t = b + 1
+
+
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class AutoTuner:
+    """Process-wide tactic cache. Keys are tuples of plain values; the cache file stores their repr()."""
+
+    _instance: "AutoTuner | None" = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.tuning = False
+        self.cache: dict[str, Tactic] = {}
+        self.warmup = 1
+        self.repeats = 3
+
+    @classmethod
+    def get(cls) -> "AutoTuner":
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = AutoTuner()
+            return cls._instance
+
+    def lookup(self, key: tuple) -> Tactic | None:
+        return self.cache.get(repr(key))
+
+    def choose(self, key: tuple, candidates: Sequence[Tactic], default: Tactic,
+               run: Callable[[Tactic], None], device: torch.device, use_cuda_graph: bool = False) -> Tactic:
+        """The tactic to run for `key`: profile the candidates when tuning (and not capturing), else the cache."""
+        cached = self.lookup(key)
+        if cached in candidates:
+            return cached
+        if not self.tuning or capturing() or len(candidates) == 1:
+            return default
+        timings = {tactic: profile(run, tactic, device, self.warmup, self.repeats, use_cuda_graph)
+                   for tactic in candidates}
+        best = min(timings, key=timings.get)
+        self.cache[repr(key)] = best
+        return best
+
+    def load(self, path: str) -> None:
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("version") != 1:
+            raise ValueError(f"{path}: unknown tuning cache version {data.get('version')!r}")
+        for entry in data["entries"]:
+            self.cache[entry["key"]] = tuple(entry["tactic"])
+
+    def save(self, path: str) -> None:
+        entries = [{"key": k, "tactic": list(v)} for k, v in sorted(self.cache.items())]
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"version": 1, "entries": entries}, f, indent=1)
+        os.replace(tmp, path)
+
+
+def profile(run: Callable[[Tactic], None], tactic: Tactic, device: torch.device, warmup: int, repeats: int,
+            use_cuda_graph: bool) -> float:
+    """Median seconds of one run of `tactic`; through CUDA-graph replay when asked, so launch cost does not
+    decide between tactics at small T."""
+    for _ in range(warmup):
+        run(tactic)
+    if device.type != "cuda":
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run(tactic)
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+    stream = torch.cuda.current_stream(device)
+    graph = None
+    if use_cuda_graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run(tactic)
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        graph.replay() if graph is not None else run(tactic)
+        end.record(stream)
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(samples)
+
+
+@contextlib.contextmanager
+def autotune(tune_mode: bool = True, cache: str | os.PathLike | None = None):
+    """Profile and cache tactics for the calls made inside (tune_mode=True); `cache` names a JSON file that is
+    loaded on entry and written on exit, so a restart does not retune."""
+    tuner = AutoTuner.get()
+    previous = tuner.tuning
+    if cache is not None:
+        tuner.load(os.fspath(cache))
+    tuner.tuning = bool(tune_mode)
+    try:
+        yield tuner
+    finally:
+        tuner.tuning = previous
+        if cache is not None:
+            tuner.save(os.fspath(cache))

@@ -1,0 +1,91 @@
+"""Buffers of a forward, allocated once for up to `max_num_tokens` tokens and reused by every run.
+
+Sizes depend only on the token capacity and the layer's shape, never on the routing, so a CUDA graph captured
+over these buffers serves any routing and any T up to the capacity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .routing import Routing, max_num_tiles
+
+
+@dataclass
+class MoEWorkspace:
+    max_num_tokens: int
+    top_k: int
+    num_local_experts: int
+    tile_size: int
+    # routing maps (semantics §5.1)
+    local_expert: torch.Tensor
+    expert_counts: torch.Tensor
+    expert_offsets: torch.Tensor
+    expanded_to_permuted: torch.Tensor
+    permuted_to_expanded: torch.Tensor
+    tile_to_expert: torch.Tensor
+    tile_to_mn_limit: torch.Tensor
+    num_live_tiles: torch.Tensor
+    # FC1 output / FC2 input in the mode's format, its block scales (swizzled) and per-row scales
+    intermediate: torch.Tensor
+    intermediate_sf: torch.Tensor
+    row_scale: torch.Tensor
+    # per-slot bf16 expert outputs of the deterministic finalize, and the layer output
+    slot_output: torch.Tensor
+    output: torch.Tensor
+
+    @classmethod
+    def allocate(cls, *, max_num_tokens: int, top_k: int, num_local_experts: int, hidden_size: int,
+                 intermediate_size: int, quant_mode: str, deterministic: bool, tile_size: int,
+                 output_dtype: torch.dtype, device) -> "MoEWorkspace":
+        tiles = max(1, max_num_tiles(max_num_tokens, top_k, num_local_experts, tile_size))
+        rows = tiles * tile_size
+        i32 = dict(dtype=torch.int32, device=device)
+        if quant_mode == "w4a4":
+            inter = torch.empty(rows, intermediate_size // 2, dtype=torch.uint8, device=device)
+            sf_cols = intermediate_size // 16
+        elif quant_mode == "w4a8":
+            inter = torch.empty(rows, intermediate_size, dtype=torch.float8_e4m3fn, device=device)
+            sf_cols = intermediate_size // 32
+        else:
+            inter = torch.empty(rows, intermediate_size, dtype=torch.bfloat16, device=device)
+            sf_cols = 0
+        sf_bytes = rows * (-(-sf_cols // 4) * 4)
+        slots = max_num_tokens * top_k if deterministic else 0
+        return cls(
+            max_num_tokens=max_num_tokens, top_k=top_k, num_local_experts=num_local_experts, tile_size=tile_size,
+            local_expert=torch.empty(max_num_tokens, top_k, **i32),
+            expert_counts=torch.empty(num_local_experts, **i32),
+            expert_offsets=torch.empty(num_local_experts + 1, **i32),
+            expanded_to_permuted=torch.empty(max_num_tokens, top_k, **i32),
+            permuted_to_expanded=torch.empty(rows, **i32),
+            tile_to_expert=torch.empty(tiles, **i32),
+            tile_to_mn_limit=torch.empty(tiles, **i32),
+            num_live_tiles=torch.empty(1, **i32),
+            intermediate=inter,
+            intermediate_sf=torch.empty(sf_bytes, dtype=torch.uint8, device=device),
+            row_scale=torch.empty(rows, dtype=torch.float32, device=device),
+            slot_output=torch.empty(slots, hidden_size, dtype=torch.bfloat16, device=device),
+            output=torch.empty(max_num_tokens, hidden_size, dtype=output_dtype, device=device),
+        )
+
+    def store_routing(self, routing: Routing) -> Routing:
+        """Copy routing maps into the workspace; returns the same maps as views of the workspace buffers."""
+        T = routing.local_expert.shape[0]
+        tiles = routing.tile_to_expert.shape[0]
+        views = Routing(
+            local_expert=self.local_expert[:T],
+            expert_counts=self.expert_counts,
+            expert_offsets=self.expert_offsets,
+            expanded_to_permuted=self.expanded_to_permuted[:T],
+            permuted_to_expanded=self.permuted_to_expanded[:tiles * self.tile_size],
+            tile_to_expert=self.tile_to_expert[:tiles],
+            tile_to_mn_limit=self.tile_to_mn_limit[:tiles],
+            num_live_tiles=self.num_live_tiles,
+            tile_size=self.tile_size,
+        )
+        for name in ("local_expert", "expert_counts", "expert_offsets", "expanded_to_permuted",
+                     "permuted_to_expanded", "tile_to_expert", "tile_to_mn_limit", "num_live_tiles"):
+            getattr(views, name).copy_(getattr(routing, name))
+        return views

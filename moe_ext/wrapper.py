@@ -1,0 +1,130 @@
+"""`CuteDslMoEWrapper`: a stateful fused MoE for serving loops and CUDA graphs.
+
+Unlike FlashInfer's wrapper it honours `max_num_tokens`: routing maps, intermediate, scales and output are
+allocated once for that many tokens, and `run()` reuses them for any T up to it. The returned tensor is a view
+of the wrapper's output buffer, overwritten by the next run (pass the result to your next layer, or copy it).
+
+Capture recipe (GPU): construct with `use_cuda_graph=True` and `max_num_tokens`; run once eagerly per token
+bucket (inside `autotune(True)` if you tune) so kernels are compiled and tactics chosen; then capture
+`wrapper.run(...)` in `torch.cuda.graph(g)` over static input tensors and replay it after copying new
+activations and routing into them. No allocation, host sync or compile happens inside a captured run.
+"""
+from __future__ import annotations
+
+import torch
+
+from .activation import Activation
+from .backends import backend_for, select_tactic
+from .problem import build_problem, canonical_quant_mode
+from .quant.formats import FLT_MAX
+from .tuning import capturing, token_bucket
+from .workspace import MoEWorkspace
+
+VALID_TILE_SIZES = (64, 128, 256)
+
+
+class CuteDslMoEWrapper:
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        use_cuda_graph: bool = False,
+        max_num_tokens: int | None = None,
+        num_local_experts: int | None = None,
+        local_expert_offset: int = 0,
+        tile_size: int = 128,
+        sf_vec_size: int = 16,
+        output_dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cuda",
+        enable_pdl: bool = True,
+        activation_type: int = 3,
+        swiglu_alpha: float = 1.0,
+        swiglu_beta: float = 0.0,
+        swiglu_limit: float = FLT_MAX,
+        situ_beta: float | None = None,
+        situ_linear_beta: float | None = None,
+        use_fused_finalize: bool = True,
+        quant_mode: str = "w4a4",
+    ) -> None:
+        self.quant_mode = canonical_quant_mode(quant_mode)
+        self.activation = Activation.resolve(activation_type, swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta,
+                                             situ_linear_beta)
+        for name, value in (("num_experts", num_experts), ("top_k", top_k), ("hidden_size", hidden_size),
+                            ("intermediate_size", intermediate_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if max_num_tokens is not None and (isinstance(max_num_tokens, bool) or not isinstance(max_num_tokens, int)
+                                           or max_num_tokens < 1):
+            raise ValueError(f"max_num_tokens must be a positive int or None, got {max_num_tokens!r}")
+        if tile_size not in VALID_TILE_SIZES:
+            raise ValueError(f"tile_size must be one of {VALID_TILE_SIZES}, got {tile_size!r}")
+        if sf_vec_size not in (16, 32):
+            raise ValueError(f"sf_vec_size must be 16 or 32, got {sf_vec_size!r}")
+        if output_dtype != torch.bfloat16:
+            raise ValueError(f"output_dtype must be torch.bfloat16, got {output_dtype}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_local_experts = num_experts if num_local_experts is None else num_local_experts
+        self.local_expert_offset = local_expert_offset
+        self.tile_size = tile_size
+        self.sf_vec_size = sf_vec_size  # kept for FlashInfer compatibility; the quant mode fixes the block
+        self.output_dtype = output_dtype
+        self.device = torch.device(device)
+        self.enable_pdl = enable_pdl
+        self.use_fused_finalize = use_fused_finalize
+        self.use_cuda_graph = use_cuda_graph
+        self.max_num_tokens = max_num_tokens
+        self.workspace: MoEWorkspace | None = None
+        self.aux_stream = None
+        self.events = None
+        if use_cuda_graph and self.device.type == "cuda":
+            # Created outside any capture and reused inside it for the memset / GEMM1 overlap.
+            self.aux_stream = torch.cuda.Stream(self.device)
+            self.events = (torch.cuda.Event(), torch.cuda.Event())
+        if max_num_tokens is not None:
+            self.workspace = self._allocate(max_num_tokens)
+
+    def _allocate(self, capacity: int) -> MoEWorkspace:
+        return MoEWorkspace.allocate(
+            max_num_tokens=capacity, top_k=self.top_k, num_local_experts=self.num_local_experts,
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, quant_mode=self.quant_mode,
+            deterministic=not self.use_fused_finalize, tile_size=self.tile_size, output_dtype=self.output_dtype,
+            device=self.device)
+
+    def _workspace_for(self, num_tokens: int) -> MoEWorkspace:
+        if self.workspace is not None and num_tokens <= self.workspace.max_num_tokens:
+            return self.workspace
+        if self.max_num_tokens is not None:
+            raise ValueError(f"num_tokens={num_tokens} exceeds this wrapper's max_num_tokens={self.max_num_tokens}")
+        if capturing():
+            raise RuntimeError(f"num_tokens={num_tokens} needs a larger workspace, which cannot be allocated during "
+                               "CUDA graph capture; warm up with the largest T first or set max_num_tokens")
+        self.workspace = self._allocate(token_bucket(num_tokens))
+        return self.workspace
+
+    def run(self, x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
+            fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, tactic=None, *, per_token_scale=None):
+        problem = build_problem(
+            x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
+            fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, self.num_experts, self.top_k,
+            self.num_local_experts, self.local_expert_offset, self.output_dtype, self.use_fused_finalize, None,
+            self.activation.activation_type, self.activation.swiglu_alpha, self.activation.swiglu_beta,
+            self.activation.swiglu_limit, self.activation.situ_beta, self.activation.situ_linear_beta,
+            quant_mode=self.quant_mode, per_token_scale=per_token_scale)
+        problem.tile_size = self.tile_size
+        if (problem.hidden_size, problem.intermediate_size) != (self.hidden_size, self.intermediate_size):
+            raise ValueError(f"weights give (hidden_size, intermediate_size) = ({problem.hidden_size}, "
+                             f"{problem.intermediate_size}); this wrapper was built for ({self.hidden_size}, "
+                             f"{self.intermediate_size})")
+        if problem.device != self.device and not (self.device.index is None and
+                                                  problem.device.type == self.device.type):
+            raise ValueError(f"inputs are on {problem.device}; this wrapper was built for {self.device}")
+        workspace = self._workspace_for(problem.num_tokens)
+        out = workspace.output[:problem.num_tokens]
+        backend = backend_for(problem)
+        chosen = select_tactic(problem, backend, tactic, "CuteDslMoEWrapper.run", out, workspace)
+        return backend.run(problem, chosen, out, workspace)
