@@ -1,0 +1,105 @@
+import dataclasses
+
+import pytest
+import torch
+
+import moe_ext
+from moe_ext.activation import ActivationType
+
+# (name, activation_type, extra kwargs, oracle kind, oracle params)
+ACTIVATIONS = {
+    "swiglu": (ActivationType.Swiglu, {}, "swiglu", (1.0, 0.0, 3.4028234663852886e38)),
+    "swiglu_oai": (ActivationType.Swiglu, dict(swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0), "swiglu",
+                   (1.702, 1.0, 7.0)),
+    "situ": (ActivationType.Swiglu, dict(situ_beta=1.75), "situ", (1.75, None)),
+    "situ_linear": (ActivationType.Swiglu, dict(situ_beta=0.8, situ_linear_beta=1.5), "situ", (0.8, 1.5)),
+    "geglu_tanh": (ActivationType.GegluTanh, {}, "geglu_tanh", None),
+    "relu2": (ActivationType.Relu2, {}, "relu2", None),
+}
+# quant-mode variants: (api quant_mode, per-token activations)
+MODES = {"w4a4": ("w4a4", False), "w4a4_pt": ("w4a4", True), "w4a8": ("w4a8", False), "w4a16": ("w4a16", False)}
+
+
+def routing(num_tokens, top_k, num_experts, generator, invalid_fraction=0.0):
+    """Softmax-top-k routing (distinct experts per token, renormalised fp32 weights); a fraction of slots can be
+    replaced by invalid ids (-1 or >= num_experts), which must contribute zero."""
+    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    weights, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    if invalid_fraction:
+        bad = torch.rand(num_tokens, top_k, generator=generator) < invalid_fraction
+        junk = torch.where(torch.rand(num_tokens, top_k, generator=generator) < 0.5, -1, num_experts + 3)
+        ids = torch.where(bad, junk, ids)
+    return ids.to(torch.int32), weights.float()
+
+
+@dataclasses.dataclass
+class Case:
+    """A layer in bf16, its prepared weights, quantized activations and routing: the API kwargs of one call."""
+
+    mode: str
+    act: str
+    bf16_w1: torch.Tensor
+    bf16_w2: torch.Tensor
+    bf16_x: torch.Tensor
+    prepared: moe_ext.PreparedWeights
+    activation_kwargs: dict
+    quantized: moe_ext.quant.QuantizedActivation
+    ids: torch.Tensor
+    scales: torch.Tensor
+    num_experts: int
+    num_local: int
+    offset: int
+
+    def kwargs(self, **over):
+        kw = dict(**self.quantized.kwargs(), token_selected_experts=self.ids, token_final_scales=self.scales,
+                  num_experts=self.num_experts, top_k=self.ids.shape[1], num_local_experts=self.num_local,
+                  local_expert_offset=self.offset, **self.prepared.kwargs(), **self.activation_kwargs)
+        kw.update(over)
+        return kw
+
+    def to(self, device):
+        moved = dataclasses.replace(self)
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                setattr(moved, f.name, v.to(device))
+        moved.prepared = dataclasses.replace(self.prepared, **{
+            f.name: getattr(self.prepared, f.name).to(device) for f in dataclasses.fields(self.prepared)
+            if isinstance(getattr(self.prepared, f.name), torch.Tensor) and f.name not in ("w1_weight_sf",
+                                                                                        "w2_weight_sf")})
+        for name in ("w1_weight_sf", "w2_weight_sf"):
+            view = getattr(self.prepared, name)
+            flat = torch.as_strided(view, (view.numel(),), (1,), view.storage_offset()).to(device)
+            setattr(moved.prepared, name, flat)
+        moved.quantized = moe_ext.quant.QuantizedActivation(
+            *(None if t is None else t.to(device) for t in (self.quantized.x, self.quantized.x_sf,
+                                                              self.quantized.per_token_scale)))
+        return moved
+
+
+def make_case(mode="w4a4", act="swiglu", *, num_tokens=9, top_k=2, num_experts=8, hidden=128, inter=128,
+              ep=1, rank=0, seed=0, invalid_fraction=0.0, weight_scale=0.1):
+    quant_mode, per_token = MODES[mode]
+    activation_type, act_kwargs, _, _ = ACTIVATIONS[act]
+    g = torch.Generator().manual_seed(seed)
+    num_local = num_experts // ep
+    offset = rank * num_local
+    n1 = inter if act == "relu2" else 2 * inter
+    w1 = (torch.randn(num_local, n1, hidden, generator=g) * weight_scale).bfloat16()
+    w2 = (torch.randn(num_local, hidden, inter, generator=g) * weight_scale).bfloat16()
+    x = (torch.randn(num_tokens, hidden, generator=g)).bfloat16()
+    gs_x = 2688.0 / max(float(x.float().abs().max()), 1e-12)
+    prepared = moe_ext.prepare_moe_weights(w1.float(), w2.float(), quant_mode, activation_type,
+                                           x_global_scale=gs_x, per_token_activation=per_token)
+    quantized = moe_ext.quantize_activation(x.float(), quant_mode, global_scale=gs_x, per_token=per_token)
+    ids, scales = routing(num_tokens, top_k, num_experts, g, invalid_fraction)
+    return Case(mode, act, w1, w2, x, prepared, dict(act_kwargs), quantized, ids, scales, num_experts, num_local,
+                offset)
+
+
+def has_cuda():
+    return torch.cuda.is_available()
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
