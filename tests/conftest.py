@@ -89,7 +89,7 @@ def make_case(mode="w4a4", act="swiglu", *, num_tokens=9, top_k=2, num_experts=8
     w1 = (torch.randn(num_local, n1, hidden, generator=g) * weight_scale).bfloat16()
     w2 = (torch.randn(num_local, hidden, inter, generator=g) * weight_scale).bfloat16()
     x = (torch.randn(num_tokens, hidden, generator=g)).bfloat16()
-    gs_x = 2688.0 / max(float(x.float().abs().max()), 1e-12)
+    gs_x = 2688.0 / max(float(x.float().abs().amax()) if x.numel() else 1.0, 1e-12)
     prepared = moe_ext.prepare_moe_weights(w1.float(), w2.float(), quant_mode, activation_type,
                                            x_global_scale=gs_x, per_token_activation=per_token)
     quantized = moe_ext.quantize_activation(x.float(), quant_mode, global_scale=gs_x, per_token=per_token)

@@ -1,0 +1,98 @@
+"""CuteDslMoEWrapper: FlashInfer's constructor, preallocated workspaces reused across runs, capacity errors."""
+import inspect
+
+import pytest
+import torch
+from conftest import make_case
+
+import moe_ext
+from moe_ext import CuteDslMoEWrapper
+
+RUN_ARGS = ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_weight", "w1_weight_sf", "w1_alpha",
+            "fc2_input_scale", "w2_weight", "w2_weight_sf", "w2_alpha")
+
+
+def run_kwargs(case, **over):
+    kw = {k: v for k, v in case.kwargs(**over).items() if k in RUN_ARGS + ("per_token_scale",)}
+    return kw
+
+
+def wrapper_for(case, **over):
+    cfg = dict(num_experts=case.num_experts, top_k=case.ids.shape[1], hidden_size=128, intermediate_size=128,
+               num_local_experts=case.num_local, local_expert_offset=case.offset, device="cpu",
+               quant_mode=case.prepared.quant_mode, activation_type=case.prepared.activation_type)
+    cfg.update(case.activation_kwargs)
+    cfg.update(over)
+    return CuteDslMoEWrapper(**cfg)
+
+
+def test_constructor_signature_matches_flashinfer():
+    params = list(inspect.signature(CuteDslMoEWrapper).parameters)
+    assert params == ["num_experts", "top_k", "hidden_size", "intermediate_size", "use_cuda_graph", "max_num_tokens",
+                      "num_local_experts", "local_expert_offset", "tile_size", "sf_vec_size", "output_dtype",
+                      "device", "enable_pdl", "activation_type", "swiglu_alpha", "swiglu_beta", "swiglu_limit",
+                      "situ_beta", "situ_linear_beta", "use_fused_finalize", "quant_mode"]
+    run = list(inspect.signature(CuteDslMoEWrapper.run).parameters)
+    assert run == ["self", *RUN_ARGS, "tactic", "per_token_scale"]
+
+
+@pytest.mark.parametrize("mode", ["w4a4", "w4a4_pt", "w4a8", "w4a16"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_wrapper_matches_functional_api_and_reuses_its_buffers(mode, fused):
+    wrapper = wrapper_for(make_case(mode), max_num_tokens=32, use_fused_finalize=fused)
+    workspace = wrapper.workspace
+    pointers = {name: getattr(workspace, name).data_ptr() for name in ("output", "expanded_to_permuted",
+                                                                        "permuted_to_expanded", "intermediate")}
+    for num_tokens, seed in ((32, 0), (5, 1), (17, 2), (1, 3)):
+        case = make_case(mode, num_tokens=num_tokens, seed=seed, invalid_fraction=0.1)
+        expected = moe_ext.cute_dsl_fused_moe(**case.kwargs(use_fused_finalize=fused))
+        out = wrapper.run(**run_kwargs(case))
+        assert torch.equal(out, expected)
+        assert out.data_ptr() == pointers["output"], "output must be the preallocated buffer"
+        assert wrapper.workspace is workspace
+        assert {n: getattr(workspace, n).data_ptr() for n in pointers} == pointers
+        # The routing maps the run used were written into the workspace.
+        assert torch.equal(workspace.expanded_to_permuted[:num_tokens] >= 0,
+                           (case.ids >= 0) & (case.ids < case.num_experts))
+
+
+def test_run_above_max_num_tokens_is_a_clear_error():
+    wrapper = wrapper_for(make_case("w4a16"), max_num_tokens=8)
+    with pytest.raises(ValueError, match="exceeds this wrapper's max_num_tokens=8"):
+        wrapper.run(**run_kwargs(make_case("w4a16", num_tokens=9)))
+
+
+def test_without_max_num_tokens_the_workspace_grows_by_bucket():
+    wrapper = wrapper_for(make_case("w4a16"))
+    assert wrapper.workspace is None
+    wrapper.run(**run_kwargs(make_case("w4a16", num_tokens=5)))
+    assert wrapper.workspace.max_num_tokens == 8
+    first = wrapper.workspace
+    wrapper.run(**run_kwargs(make_case("w4a16", num_tokens=3)))
+    assert wrapper.workspace is first
+    wrapper.run(**run_kwargs(make_case("w4a16", num_tokens=300)))
+    assert wrapper.workspace.max_num_tokens == 512
+
+
+def test_wrapper_rejects_weights_of_another_layer():
+    wrapper = wrapper_for(make_case("w4a16"), hidden_size=256)
+    with pytest.raises(ValueError, match="this wrapper was built for"):
+        wrapper.run(**run_kwargs(make_case("w4a16")))
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(quant_mode="int4"), "quant_mode"), (dict(activation_type=10), "Situ"), (dict(tile_size=100), "tile_size"),
+    (dict(max_num_tokens=0), "max_num_tokens"), (dict(output_dtype=torch.float16), "output_dtype"),
+    (dict(situ_beta=-1.0), "situ_beta"),
+])
+def test_constructor_validation(over, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        wrapper_for(make_case("w4a16"), **over)
+
+
+def test_wrapper_tile_size_sets_the_routing_padding():
+    case = make_case("w4a16", num_tokens=20, top_k=2)
+    wrapper = wrapper_for(case, tile_size=64, max_num_tokens=20)
+    wrapper.run(**run_kwargs(case))
+    offsets = wrapper.workspace.expert_offsets
+    assert (offsets % 64 == 0).all() and int(offsets[-1]) > 0
