@@ -59,23 +59,17 @@ class Case:
         return kw
 
     def to(self, device):
-        moved = dataclasses.replace(self)
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, torch.Tensor):
-                setattr(moved, f.name, v.to(device))
-        moved.prepared = dataclasses.replace(self.prepared, **{
-            f.name: getattr(self.prepared, f.name).to(device) for f in dataclasses.fields(self.prepared)
-            if isinstance(getattr(self.prepared, f.name), torch.Tensor) and f.name not in ("w1_weight_sf",
-                                                                                        "w2_weight_sf")})
-        for name in ("w1_weight_sf", "w2_weight_sf"):
-            view = getattr(self.prepared, name)
-            flat = torch.as_strided(view, (view.numel(),), (1,), view.storage_offset()).to(device)
-            setattr(moved.prepared, name, flat)
-        moved.quantized = moe_ext.quant.QuantizedActivation(
-            *(None if t is None else t.to(device) for t in (self.quantized.x, self.quantized.x_sf,
-                                                              self.quantized.per_token_scale)))
-        return moved
+        """The same case on another device (scale-factor views travel as their flat bytes)."""
+        def move(obj):
+            changes = {}
+            for f in dataclasses.fields(obj):
+                t = getattr(obj, f.name)
+                if isinstance(t, torch.Tensor):
+                    flat = torch.as_strided(t, (t.numel(),), (1,), t.storage_offset()) if t.dim() == 6 else t
+                    changes[f.name] = flat.to(device)
+            return dataclasses.replace(obj, **changes)
+
+        return dataclasses.replace(move(self), prepared=move(self.prepared), quantized=move(self.quantized))
 
 
 def make_case(mode="w4a4", act="swiglu", *, num_tokens=9, top_k=2, num_experts=8, hidden=128, inter=128,

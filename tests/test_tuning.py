@@ -1,0 +1,87 @@
+"""Token buckets, the autotune() context manager, the tactic cache and its file."""
+import json
+
+import pytest
+import torch
+from conftest import make_case
+
+import moe_ext
+from moe_ext.backends import op_key
+from moe_ext.problem import build_problem
+from moe_ext.tuning import AutoTuner, autotune, bucket_list, token_bucket
+
+
+@pytest.mark.parametrize("tokens,bucket", [(1, 1), (2, 2), (3, 4), (129, 256), (256, 256), (257, 512), (2048, 2048),
+                                           (2049, 2560), (4000, 4096), (4097, 8192), (16384, 16384)])
+def test_token_buckets_round_up(tokens, bucket):
+    assert token_bucket(tokens) == bucket
+
+
+def test_bucket_list_covers_every_t():
+    buckets = bucket_list(5000)
+    assert buckets[:9] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert buckets[-1] == 8192 and 2560 in buckets and 3072 in buckets
+    assert all(token_bucket(t) in buckets for t in range(1, 5001, 7))
+
+
+@pytest.fixture
+def tuner():
+    t = AutoTuner.get()
+    saved = dict(t.cache)
+    t.cache.clear()
+    yield t
+    t.cache.clear()
+    t.cache.update(saved)
+
+
+def test_choose_profiles_candidates_once_per_key_and_caches_the_fastest(tuner):
+    calls = []
+
+    def run(tactic):
+        calls.append(tactic)
+        if tactic == (2,):
+            sum(range(200000))  # the slow candidate
+
+    key = ("op", "mode", 8)
+    with autotune(True):
+        assert tuner.choose(key, [(1,), (2,)], (2,), run, torch.device("cpu")) == (1,)
+    assert set(calls) == {(1,), (2,)}
+    calls.clear()
+    # Cached: no profiling, inside or outside autotune.
+    assert tuner.choose(key, [(1,), (2,)], (2,), run, torch.device("cpu")) == (1,)
+    with autotune(True):
+        assert tuner.choose(key, [(1,), (2,)], (2,), run, torch.device("cpu")) == (1,)
+    assert calls == []
+    # Not tuning and nothing cached: the backend's default, no profiling.
+    assert tuner.choose(("other",), [(1,), (2,)], (2,), run, torch.device("cpu")) == (2,)
+    assert calls == []
+
+
+def test_cache_file_persists_across_restarts(tuner, tmp_path):
+    path = tmp_path / "tactics.json"
+    with autotune(True, cache=path):
+        tuner.choose(("k", 1), [(3,), (4,)], (4,), lambda t: None, torch.device("cpu"))
+    data = json.loads(path.read_text())
+    assert data["version"] == 1 and len(data["entries"]) == 1
+    tuner.cache.clear()
+    with autotune(False, cache=path):
+        assert tuner.lookup(("k", 1)) in ((3,), (4,))
+
+
+def test_key_separates_quant_mode_activation_and_bucket():
+    a = build_problem(**make_case("w4a4", num_tokens=5).kwargs())
+    b = build_problem(**make_case("w4a4", "swiglu_oai", num_tokens=5).kwargs())
+    c = build_problem(**make_case("w4a4", num_tokens=9).kwargs())
+    d = build_problem(**make_case("w4a16", num_tokens=5).kwargs())
+    keys = {op_key(p, moe_ext.backends.REFERENCE, "op") for p in (a, b, c, d)}
+    assert len(keys) == 4
+    assert op_key(a, moe_ext.backends.REFERENCE, "op")[-1] == 8
+
+
+def test_autotune_on_the_api_records_a_tactic_and_explicit_tactic_is_used(tuner):
+    case = make_case("w4a16", num_tokens=5)
+    with autotune(True):
+        expected = moe_ext.cute_dsl_fused_moe(**case.kwargs())
+    assert torch.equal(moe_ext.cute_dsl_fused_moe(**case.kwargs(tactic=(128,))), expected)
+    with pytest.raises(ValueError, match="valid tactics"):
+        moe_ext.cute_dsl_fused_moe(**case.kwargs(tactic=(256, ((128, 128), (1, 1), False))))
