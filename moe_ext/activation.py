@@ -100,18 +100,18 @@ class Activation:
         if self.kind == "relu2":
             r = torch.clamp_min(gate, 0.0)
             return r * r
+        const = lambda v: torch.tensor(v, dtype=torch.float32, device=gate.device)  # noqa: E731  fp32 constants
         if self.kind == "swiglu":
-            limit = torch.tensor(self.swiglu_limit, dtype=torch.float32)
+            limit = const(self.swiglu_limit)
             g = torch.minimum(gate, limit)
             u = torch.clamp(up, -limit, limit)
-            neg_scale = torch.tensor(-(self.swiglu_alpha * LOG2E), dtype=torch.float32)
-            sig = 1.0 / (1.0 + torch.exp2(neg_scale * g))
-            return (sig * g) * (u + torch.tensor(self.swiglu_beta, dtype=torch.float32))
+            sig = 1.0 / (1.0 + torch.exp2(const(-(self.swiglu_alpha * LOG2E)) * g))
+            return (sig * g) * (u + const(self.swiglu_beta))
         if self.kind == "situ":
-            b = torch.tensor(self.situ_beta, dtype=torch.float32)
+            b = const(self.situ_beta)
             gate_term = (b * _tanh(gate * (1.0 / b))) * _sigmoid(gate)
             if self.situ_linear_beta is not None:
-                c = torch.tensor(self.situ_linear_beta, dtype=torch.float32)
+                c = const(self.situ_linear_beta)
                 up = c * _tanh(up * (1.0 / c))
             return up * gate_term
         # geglu_tanh
