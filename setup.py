@@ -1,7 +1,10 @@
 """Installs the moe_ext package; builds the C++ launcher (moe_ext._C) with CMake when a CUDA toolkit is found.
 
-Without nvcc the package installs without the launcher and runs on the reference path. Set MOE_EXT_NO_LAUNCHER=1
-to skip the build, or MOE_EXT_REQUIRE_LAUNCHER=1 to make a missing toolkit an error.
+The sm_90a kernels are compiled ahead of time with CuTe-DSL (no GPU needed) when nvidia-cutlass-dsl is
+importable, and linked into the launcher; MOE_EXT_KERNEL_DIR=DIR links kernels exported earlier instead (how the
+GPU machine, which has no CuTe-DSL, gets them). Without nvcc the package installs without the launcher and runs on
+the reference path. MOE_EXT_NO_LAUNCHER=1 skips the build; MOE_EXT_REQUIRE_LAUNCHER=1 makes a missing toolkit,
+and MOE_EXT_REQUIRE_KERNELS=1 a missing or failing kernel build, an error.
 """
 import os
 import shutil
@@ -10,6 +13,9 @@ import sys
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
 class CMakeExtension(Extension):
@@ -41,12 +47,30 @@ class CMakeBuild(build_ext):
         build_dir = os.path.abspath(self.build_temp)
         os.makedirs(build_dir, exist_ok=True)
         cuda_root = os.path.dirname(os.path.dirname(os.path.realpath(_find_nvcc())))
+        kernel_dir = self._kernel_dir(build_dir)
         subprocess.check_call([
-            "cmake", "-S", os.path.dirname(os.path.abspath(__file__)), "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release",
+            "cmake", "-S", ROOT, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release",
             f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={extdir}", f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}", f"-DCUDAToolkit_ROOT={cuda_root}",
+            f"-DMOE_EXT_KERNEL_DIR={kernel_dir or ''}",
         ])
         subprocess.check_call(["cmake", "--build", build_dir, "-j", str(os.cpu_count() or 2)])
+
+    @staticmethod
+    def _kernel_dir(build_dir):
+        """Directory of exported kernels: MOE_EXT_KERNEL_DIR, else a fresh AOT build, else None."""
+        given = os.environ.get("MOE_EXT_KERNEL_DIR")
+        if given:
+            return os.path.abspath(given)
+        out = os.path.join(build_dir, "kernels")
+        # A subprocess keeps the DSL's MLIR runtime out of the build process.
+        result = subprocess.run([sys.executable, "-m", "moe_ext.kernels.sm90.build", out], cwd=ROOT)
+        if result.returncode == 0:
+            return out
+        if os.environ.get("MOE_EXT_REQUIRE_KERNELS") == "1":
+            raise RuntimeError("MOE_EXT_REQUIRE_KERNELS=1 but the sm_90a kernel build failed (see above)")
+        print("moe_ext: CuTe-DSL kernel build unavailable; building the launcher without kernels")
+        return None
 
 
 setup(ext_modules=[CMakeExtension("moe_ext._C")], cmdclass={"build_ext": CMakeBuild})

@@ -12,5 +12,13 @@ fi
 if ! "$PY" -c "import setuptools, pybind11, pytest, hypothesis, numpy" 2>/dev/null; then
   "$PY" -m pip install -q "setuptools>=64" "pybind11>=2.12" pytest hypothesis numpy
 fi
+# CuTe-DSL compiles the sm_90a kernels at install time (no GPU needed). Only the CUDA 13 libraries are taken
+# (the top package would also pull the CUDA 12 ones). Skipped when MOE_EXT_KERNEL_DIR points at kernels exported
+# elsewhere (the offline GPU machine) or when there is no CUDA toolkit to build the launcher with.
+if [ -z "${MOE_EXT_KERNEL_DIR:-}" ] && command -v nvcc >/dev/null && ! "$PY" -c "import cutlass.cute" 2>/dev/null; then
+  "$PY" -m pip install -q --no-deps nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
+      nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1
+  "$PY" -m pip install -q "cuda-bindings>=12.8" protobuf typing-extensions
+fi
 "$PY" -m pip install -q --no-build-isolation --no-deps -e .
 "$PY" -c "import moe_ext, torch; print('moe_ext', moe_ext.__version__, 'torch', torch.__version__)"

@@ -1,0 +1,1 @@
+"""GPU kernels of moe_ext, one package per architecture."""

@@ -1,0 +1,82 @@
+"""Python side of the C++ launcher: device checks on torch tensors, then raw pointers to `moe_ext._C`.
+
+The compiled kernels check nothing, and `_C` checks sizes and alignment; dtype, device and contiguity are
+checked here, where the tensors are still torch tensors. Launches go to the current torch stream.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .routing import Routing, max_num_tiles
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    try:
+        from . import _C
+    except ImportError:
+        return None
+    return _C
+
+
+def has_kernel(name: str) -> bool:
+    module = _module()
+    return module is not None and name in module.kernels()
+
+
+def hopper_device(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _i32_vector(name: str, t: torch.Tensor, device: torch.device) -> int:
+    if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous() or t.device != device:
+        raise ValueError(f"{name} must be a contiguous 1-D int32 tensor on {device}, got {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device}")
+    return t.data_ptr()
+
+
+def allocate_routing(num_tokens: int, top_k: int, num_local_experts: int, tile: int, device) -> Routing:
+    tiles = max_num_tiles(num_tokens, top_k, num_local_experts, tile)
+    i32 = dict(dtype=torch.int32, device=device)
+    return Routing(
+        local_expert=torch.empty(num_tokens, top_k, **i32),  # not written by the kernel
+        expert_counts=torch.empty(num_local_experts, **i32),
+        expert_offsets=torch.empty(num_local_experts + 1, **i32),
+        expanded_to_permuted=torch.empty(num_tokens, top_k, **i32),
+        permuted_to_expanded=torch.empty(tiles * tile, **i32),
+        tile_to_expert=torch.empty(tiles, **i32),
+        tile_to_mn_limit=torch.empty(tiles, **i32),
+        num_live_tiles=torch.empty(1, **i32),
+        tile_size=tile,
+    )
+
+
+def route(token_selected_experts: torch.Tensor, num_local_experts: int, local_expert_offset: int,
+          out: Routing, enable_pdl: bool = True) -> Routing:
+    """Fill `out` (sized by allocate_routing or a workspace) with the routing maps, on the current stream."""
+    module = _module()
+    if module is None or not hasattr(module, "routing"):
+        raise RuntimeError("moe_ext._C was built without the sm_90a kernels")
+    ids = token_selected_experts
+    device = ids.device
+    if ids.dtype != torch.int32 or ids.dim() != 2 or not ids.is_contiguous() or device.type != "cuda":
+        raise ValueError("token_selected_experts must be a contiguous [T, K] int32 CUDA tensor")
+    flat = ids.view(-1)
+    e2p = out.expanded_to_permuted
+    if e2p.shape != ids.shape:
+        raise ValueError(f"routing buffers are for {tuple(e2p.shape)} slots, ids are {tuple(ids.shape)}")
+    module.routing(
+        _i32_vector("token_selected_experts", flat, device), flat.numel(), num_local_experts, local_expert_offset,
+        out.tile_size,
+        _i32_vector("expert_counts", out.expert_counts, device),
+        _i32_vector("expert_offsets", out.expert_offsets, device),
+        _i32_vector("expanded_to_permuted", e2p.view(-1), device),
+        _i32_vector("permuted_to_expanded", out.permuted_to_expanded, device), out.permuted_to_expanded.numel(),
+        _i32_vector("tile_to_expert", out.tile_to_expert, device),
+        _i32_vector("tile_to_mn_limit", out.tile_to_mn_limit, device), out.tile_to_expert.numel(),
+        _i32_vector("num_live_tiles", out.num_live_tiles, device),
+        bool(enable_pdl), torch.cuda.current_stream(device).cuda_stream,
+    )
+    return out
