@@ -76,6 +76,7 @@ def cute_dsl_fused_moe(
         raise TypeError(f"autotune_use_cuda_graph must be a bool, got {type(autotune_use_cuda_graph).__name__}")
     if tactic is not None and not isinstance(tactic, (tuple, list)):
         raise TypeError(f"tactic must be a tuple or None, got {type(tactic).__name__}")
+    problem.enable_pdl = enable_pdl
     out = (problem.moe_output[:problem.num_tokens] if problem.moe_output is not None else
            torch.empty(problem.num_tokens, problem.hidden_size, dtype=problem.output_dtype, device=problem.device))
     backend = backend_for(problem)

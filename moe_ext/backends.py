@@ -1,7 +1,8 @@
 """Backends that execute a validated MoEProblem, and the choice between them.
 
-The reference backend runs `moe_ext.reference` on any device. The Hopper CuTe-DSL backend is not built yet
-(issue 3); until it is, every device runs the reference path, and `backend_for` is the one place that changes.
+The reference backend runs `moe_ext.reference` on any device. The Hopper backend runs the CuTe-DSL kernels
+linked into `moe_ext._C` on sm_90 devices; so far it covers w4a16 without localized shards, and every other
+problem runs on the reference path.
 """
 from __future__ import annotations
 
@@ -41,8 +42,51 @@ class ReferenceBackend:
 REFERENCE = ReferenceBackend()
 
 
-def backend_for(problem: MoEProblem) -> ReferenceBackend:
-    return REFERENCE
+@dataclass(frozen=True)
+class HopperBackend:
+    """CuTe-DSL kernels for sm_90a: routing, GEMM1 (+activation), GEMM2, finalize. Its only tactic is the
+    kernels' routing tile (64,)."""
+
+    name: str = "sm90"
+
+    def supports(self, problem: MoEProblem) -> bool:
+        from . import launcher
+
+        return (problem.quant_mode == "w4a16" and problem.shards is None and problem.num_tokens > 0
+                and problem.num_local_experts <= 2048 and problem.intermediate_size % 64 == 0
+                and launcher.hopper_device(problem.device) and launcher.has_kernel("moe_gemm2_w4a16"))
+
+    def tactics(self, problem: MoEProblem) -> list[Tactic]:
+        from .launcher import TILE_M
+
+        return [(TILE_M,)]
+
+    def default_tactic(self, problem: MoEProblem) -> Tactic:
+        return self.tactics(problem)[0]
+
+    def run(self, problem: MoEProblem, tactic: Tactic, out: torch.Tensor,
+            workspace: MoEWorkspace | None = None) -> torch.Tensor:
+        from . import launcher
+
+        (tile,) = tactic
+        T, K = problem.num_tokens, problem.top_k
+        if workspace is not None and workspace.tile_size == tile:
+            routing = workspace.routing_buffers(T)
+            intermediate = workspace.intermediate[:routing.permuted_to_expanded.numel()]
+            slot_output = workspace.slot_output[:T * K]
+        else:
+            routing = launcher.allocate_routing(T, K, problem.num_local_experts, tile, problem.device)
+            intermediate = torch.empty(routing.permuted_to_expanded.numel(), problem.intermediate_size,
+                                       dtype=torch.bfloat16, device=problem.device)
+            slot_output = torch.empty(T * K, problem.hidden_size, dtype=torch.bfloat16, device=problem.device)
+        return launcher.w4a16_forward(problem, routing, intermediate, slot_output, out, problem.enable_pdl)
+
+
+HOPPER = HopperBackend()
+
+
+def backend_for(problem: MoEProblem):
+    return HOPPER if HOPPER.supports(problem) else REFERENCE
 
 
 def op_key(problem: MoEProblem, backend, op: str) -> tuple:

@@ -27,7 +27,7 @@ def has_kernel(name: str) -> bool:
 
 
 def hopper_device(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def _i32_vector(name: str, t: torch.Tensor, device: torch.device) -> int:
@@ -79,4 +79,52 @@ def route(token_selected_experts: torch.Tensor, num_local_experts: int, local_ex
         _i32_vector("num_live_tiles", out.num_live_tiles, device),
         bool(enable_pdl), torch.cuda.current_stream(device).cuda_stream,
     )
+    return out
+
+
+ACTIVATION_KIND = {"swiglu": 0, "situ": 1, "geglu_tanh": 2, "relu2": 3}
+TILE_M = 64  # moe_ext/kernels/sm90/mainloop.py TileConfig.tile_m: the routing tile of the Hopper kernels
+
+
+def _buf(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    if t.dtype != dtype or not t.is_contiguous() or t.device != device:
+        raise ValueError(f"{name} must be a contiguous {dtype} tensor on {device}, got {t.dtype} on {t.device}")
+    return t.data_ptr(), t.numel()
+
+
+def w4a16_forward(problem, routing: Routing, intermediate: torch.Tensor, slot_output: torch.Tensor,
+                  out: torch.Tensor, enable_pdl: bool) -> torch.Tensor:
+    """routing -> GEMM1 -> GEMM2 -> finalize on the current stream; every launch's grid depends on T only."""
+    from .kernels.sm90.activations import activation_params
+
+    module = _module()
+    device = problem.device
+    stream = torch.cuda.current_stream(device).cuda_stream
+    route(problem.token_selected_experts, problem.num_local_experts, problem.local_expert_offset, routing,
+          enable_pdl)
+    u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
+    w = problem.weights
+    rows = routing.permuted_to_expanded.numel()
+    tiles = routing.tile_to_expert.numel()
+    p2e = _buf("permuted_to_expanded", routing.permuted_to_expanded, i32, device)[0]
+    te = _buf("tile_to_expert", routing.tile_to_expert, i32, device)[0]
+    tl = _buf("tile_to_mn_limit", routing.tile_to_mn_limit, i32, device)[0]
+    live = _buf("num_live_tiles", routing.num_live_tiles, i32, device)[0]
+    module.gemm1_w4a16(
+        ACTIVATION_KIND[problem.activation.kind], *_buf("x", problem.x, bf16, device),
+        *_buf("w1_weight", w.w1, u8, device), *_buf("w1_weight_sf", w.w1_sf_bytes(), u8, device),
+        _buf("w1_alpha", problem.w1_alpha, f32, device)[0], problem.num_local_experts, p2e, rows, te, tl, tiles,
+        live, *_buf("intermediate", intermediate, bf16, device), problem.hidden_size, problem.n1, problem.top_k,
+        *activation_params(problem.activation), enable_pdl, stream)
+    scales = problem.token_final_scales.view(-1)
+    module.gemm2_w4a16(
+        *_buf("intermediate", intermediate, bf16, device), *_buf("w2_weight", w.w2, u8, device),
+        *_buf("w2_weight_sf", w.w2_sf_bytes(), u8, device), _buf("w2_alpha", problem.w2_alpha, f32, device)[0],
+        problem.num_local_experts, *_buf("token_final_scales", scales, f32, device), p2e, rows, te, tl, tiles, live,
+        *_buf("slot_output", slot_output, bf16, device), problem.hidden_size, problem.intermediate_size,
+        problem.use_fused_finalize, enable_pdl, stream)
+    e2p = routing.expanded_to_permuted.view(-1)
+    module.finalize(*_buf("slot_output", slot_output, bf16, device), *_buf("expanded_to_permuted", e2p, i32, device),
+                    _buf("token_final_scales", scales, f32, device)[0], *_buf("moe_output", out, bf16, device),
+                    problem.hidden_size, problem.top_k, problem.use_fused_finalize, enable_pdl, stream)
     return out

@@ -84,7 +84,8 @@ class MoEProblem:
     localized_sm_count: int | None = None
     localized_memset_stream: object | None = None
     localized_allow_nonlocalized: bool = False
-    tile_size: int = 128  # routing tile (rows per expert padded to it); the wrapper sets its own
+    tile_size: int = 128  # routing tile of the reference path (rows per expert padded to it); the wrapper sets it
+    enable_pdl: bool = True
 
     @property
     def device(self) -> torch.device:

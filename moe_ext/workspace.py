@@ -52,7 +52,7 @@ class MoEWorkspace:
             inter = torch.empty(rows, intermediate_size, dtype=torch.bfloat16, device=device)
             sf_cols = 0
         sf_bytes = rows * (-(-sf_cols // 4) * 4)
-        slots = max_num_tokens * top_k if deterministic else 0
+        slots = max_num_tokens * top_k if (deterministic or quant_mode == "w4a16") else 0
         return cls(
             max_num_tokens=max_num_tokens, top_k=top_k, num_local_experts=num_local_experts, tile_size=tile_size,
             local_expert=torch.empty(max_num_tokens, top_k, **i32),
@@ -70,21 +70,24 @@ class MoEWorkspace:
             output=torch.empty(max_num_tokens, hidden_size, dtype=output_dtype, device=device),
         )
 
-    def store_routing(self, routing: Routing) -> Routing:
-        """Copy routing maps into the workspace; returns the same maps as views of the workspace buffers."""
-        T = routing.local_expert.shape[0]
-        tiles = routing.tile_to_expert.shape[0]
-        views = Routing(
-            local_expert=self.local_expert[:T],
+    def routing_buffers(self, num_tokens: int) -> Routing:
+        """Views of the routing buffers sized for num_tokens (what the device routing kernel fills)."""
+        tiles = max_num_tiles(num_tokens, self.top_k, self.num_local_experts, self.tile_size)
+        return Routing(
+            local_expert=self.local_expert[:num_tokens],
             expert_counts=self.expert_counts,
             expert_offsets=self.expert_offsets,
-            expanded_to_permuted=self.expanded_to_permuted[:T],
+            expanded_to_permuted=self.expanded_to_permuted[:num_tokens],
             permuted_to_expanded=self.permuted_to_expanded[:tiles * self.tile_size],
             tile_to_expert=self.tile_to_expert[:tiles],
             tile_to_mn_limit=self.tile_to_mn_limit[:tiles],
             num_live_tiles=self.num_live_tiles,
             tile_size=self.tile_size,
         )
+
+    def store_routing(self, routing: Routing) -> Routing:
+        """Copy routing maps into the workspace; returns the same maps as views of the workspace buffers."""
+        views = self.routing_buffers(routing.local_expert.shape[0])
         for name in ("local_expert", "expert_counts", "expert_offsets", "expanded_to_permuted",
                      "permuted_to_expanded", "tile_to_expert", "tile_to_mn_limit", "num_live_tiles"):
             getattr(views, name).copy_(getattr(routing, name))

@@ -71,6 +71,11 @@ class CuteDslMoEWrapper:
         self.num_local_experts = num_experts if num_local_experts is None else num_local_experts
         self.local_expert_offset = local_expert_offset
         self.tile_size = tile_size
+        # The Hopper kernels have a fixed routing tile; the workspace's routing maps must use it.
+        from . import launcher
+
+        self.routing_tile = (launcher.TILE_M if self.quant_mode == "w4a16" and launcher.has_kernel("moe_gemm2_w4a16")
+                             and launcher.hopper_device(torch.device(device)) else tile_size)
         self.sf_vec_size = sf_vec_size  # kept for FlashInfer compatibility; the quant mode fixes the block
         self.output_dtype = output_dtype
         self.device = torch.device(device)
@@ -92,7 +97,7 @@ class CuteDslMoEWrapper:
         return MoEWorkspace.allocate(
             max_num_tokens=capacity, top_k=self.top_k, num_local_experts=self.num_local_experts,
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, quant_mode=self.quant_mode,
-            deterministic=not self.use_fused_finalize, tile_size=self.tile_size, output_dtype=self.output_dtype,
+            deterministic=not self.use_fused_finalize, tile_size=self.routing_tile, output_dtype=self.output_dtype,
             device=self.device)
 
     def _workspace_for(self, num_tokens: int) -> MoEWorkspace:
@@ -115,7 +120,8 @@ class CuteDslMoEWrapper:
             self.activation.activation_type, self.activation.swiglu_alpha, self.activation.swiglu_beta,
             self.activation.swiglu_limit, self.activation.situ_beta, self.activation.situ_linear_beta,
             quant_mode=self.quant_mode, per_token_scale=per_token_scale)
-        problem.tile_size = self.tile_size
+        problem.tile_size = self.routing_tile
+        problem.enable_pdl = self.enable_pdl
         if (problem.hidden_size, problem.intermediate_size) != (self.hidden_size, self.intermediate_size):
             raise ValueError(f"weights give (hidden_size, intermediate_size) = ({problem.hidden_size}, "
                              f"{problem.intermediate_size}); this wrapper was built for ({self.hidden_size}, "

@@ -19,12 +19,16 @@ MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$OUT/install.log" 2>&1
 echo "install rc=$? kernels=$(python3 -c 'import moe_ext._C as C; print(C.kernels())' 2>&1)" | tee "$OUT/summary.txt"
 python3 -m pytest -q -p no:cacheprovider tests -rs > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$? :: $(tail -n 1 "$OUT/pytest.log")" | tee -a "$OUT/summary.txt"
-compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider \
-  tests/test_routing_kernel.py -k "matches_spec" > "$OUT/memcheck.log" 2>&1
+{ compute-sanitizer --tool memcheck --error-exitcode 3 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_routing_kernel.py -k "matches_spec" &&
+  compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/memcheck_smoke.py; } > "$OUT/memcheck.log" 2>&1
 echo "memcheck rc=$? :: $(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/memcheck.log" | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
 python3 benchmarks/bench_routing.py --out "$OUT/routing.json" > "$OUT/bench_routing.log" 2>&1
 echo "bench_routing rc=$?" | tee -a "$OUT/summary.txt"
 cat "$OUT/bench_routing.log" | tee -a "$OUT/summary.txt"
+timeout 300 python3 benchmarks/bench_w4a16.py --out "$OUT/w4a16.json" > "$OUT/bench_w4a16.log" 2>&1
+echo "bench_w4a16 rc=$?" | tee -a "$OUT/summary.txt"
+cat "$OUT/bench_w4a16.log" | tee -a "$OUT/summary.txt"
 python3 examples/quickstart.py > "$OUT/quickstart.log" 2>&1
 echo "quickstart rc=$?" | tee -a "$OUT/summary.txt"
 cat "$OUT/quickstart.log" | tee -a "$OUT/summary.txt"

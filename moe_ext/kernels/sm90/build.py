@@ -26,9 +26,14 @@ def _load_dsl_runtime() -> None:
 
 def specialisations():
     """(export name, compile function) of every kernel the launcher links."""
-    from . import routing
+    import functools
 
-    return [("moe_routing", routing.compile_routing)]
+    from . import activations, finalize, gemm1, gemm2, routing
+
+    specs = [("moe_routing", routing.compile_routing)]
+    specs += [(f"moe_gemm1_{kind}", functools.partial(gemm1.compile_gemm1, kind)) for kind in activations.KINDS]
+    specs += [("moe_gemm2_w4a16", gemm2.compile_gemm2), ("moe_finalize", finalize.compile_finalize)]
+    return specs
 
 
 def static_runtime() -> str:

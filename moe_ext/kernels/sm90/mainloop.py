@@ -1,0 +1,70 @@
+"""The shared mainloop of the grouped GEMMs (sm_90a, first version): per K chunk, every thread decodes its share
+of the gathered activation rows (A) and of the expert's 4-bit weight rows (B) to bf16 in shared memory, then the
+CTA runs bf16 tensor-core MMAs with fp32 accumulation; the accumulator tile is staged through shared memory for the
+epilogue. Decode and MMA are not overlapped yet (docs/perf-notes.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    tile_m: int = 64  # permuted rows per CTA = the routing tile
+    tile_n: int = 128  # weight rows per CTA (one up/gate pair of 64-row groups for gated FC1)
+    tile_k: int = 64
+    threads: int = 128  # 4 warps, 2 x 2 over (M, N)
+
+
+TILE = TileConfig()
+
+
+def make_tiled_mma():
+    op = cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
+    return cute.make_tiled_mma(op, cute.make_layout((2, 2, 1)), permutation_mnk=(32, 32, 16))
+
+
+def shared_tiles():
+    """(sA [M, K] bf16, sB [N, K] bf16, sC [M, N] fp32); A and B alias the first bytes of C, which is only
+    written once the mainloop is done."""
+    smem = cutlass.utils.SmemAllocator()
+    s_c = smem.allocate_tensor(Float32, cute.make_layout((TILE.tile_m, TILE.tile_n), stride=(TILE.tile_n, 1)), 16)
+    a_words = TILE.tile_m * TILE.tile_k // 2  # bf16 pairs per fp32 word
+    s_a = cute.make_tensor(cute.recast_ptr(s_c.iterator, dtype=BFloat16),
+                           cute.make_layout((TILE.tile_m, TILE.tile_k), stride=(TILE.tile_k, 1)))
+    s_b = cute.make_tensor(cute.recast_ptr(s_c.iterator + a_words, dtype=BFloat16),
+                           cute.make_layout((TILE.tile_n, TILE.tile_k), stride=(TILE.tile_k, 1)))
+    return s_a, s_b, s_c
+
+
+def make_mma(tid, s_a, s_b, s_c):
+    """MMA partitions of one CTA: (tiled_mma, t_sa, t_sb, t_sc, r_a, r_b, acc) with acc zeroed.
+
+    The K loop lives in each kernel (control flow must be in traced kernel code, and only tensors and numbers
+    may be carried through it):
+
+        for k0 in cutlass.range(0, K, TILE.tile_k):
+            fill s_a / s_b with the decoded chunk; sync; mma_chunk(...); sync
+        cute.autovec_copy(acc, t_sc); sync   # then the epilogue reads s_c
+    """
+    tiled_mma = make_tiled_mma()
+    thr_mma = tiled_mma.get_slice(tid)
+    t_sa = thr_mma.partition_A(s_a)
+    t_sb = thr_mma.partition_B(s_b)
+    t_sc = thr_mma.partition_C(s_c)
+    r_a = tiled_mma.make_fragment_A(t_sa)
+    r_b = tiled_mma.make_fragment_B(t_sb)
+    acc = tiled_mma.make_fragment_C(t_sc)
+    acc.fill(0.0)
+    return tiled_mma, t_sa, t_sb, t_sc, r_a, r_b, acc
+
+
+def mma_chunk(tiled_mma, t_sa, t_sb, r_a, r_b, acc):
+    """acc += the K chunk now in shared memory."""
+    cute.autovec_copy(t_sa, r_a)
+    cute.autovec_copy(t_sb, r_b)
+    for kb in range(cute.size(r_a, mode=[2])):  # static: a plain Python loop unrolls at trace time
+        cute.gemm(tiled_mma, acc, r_a[None, None, kb], r_b[None, None, kb], acc)

@@ -1,0 +1,22 @@
+"""Small end-to-end runs of every sm_90a kernel, for `compute-sanitizer --tool memcheck` (scripts/gpu_check.sh)."""
+import sys
+
+import torch
+
+sys.path.insert(0, "tests")
+from conftest import make_case  # noqa: E402
+
+import moe_ext  # noqa: E402
+from moe_ext.backends import HOPPER, backend_for  # noqa: E402
+from moe_ext.problem import build_problem  # noqa: E402
+
+for act in ("swiglu", "situ_linear", "geglu_tanh", "relu2"):
+    for ep, rank in ((1, 0), (4, 3)):
+        case = make_case("w4a16", act, num_tokens=9, top_k=3, num_experts=8, hidden=256, inter=256, ep=ep,
+                         rank=rank, invalid_fraction=0.1).to("cuda")
+        for fused in (True, False):
+            kw = case.kwargs(use_fused_finalize=fused)
+            assert backend_for(build_problem(**kw)) is HOPPER
+            out = moe_ext.cute_dsl_fused_moe(**kw)
+torch.cuda.synchronize()
+print("memcheck smoke: ok")
