@@ -9,6 +9,7 @@ import functools
 
 import torch
 
+from .activation import LOG2E
 from .routing import Routing, max_num_tiles
 
 
@@ -86,6 +87,20 @@ ACTIVATION_KIND = {"swiglu": 0, "situ": 1, "geglu_tanh": 2, "relu2": 3}
 TILE_M = 64  # moe_ext/kernels/sm90/mainloop.py TileConfig.tile_m: the routing tile of the Hopper kernels
 
 
+def activation_params(activation) -> tuple[float, float, float, float]:
+    """The four fp32 runtime parameters of the kernels' activation (moe_ext/kernels/sm90/activations.py)."""
+    import numpy as np
+
+    f32 = lambda v: float(np.float32(v))  # noqa: E731
+    if activation.kind == "swiglu":  # -(alpha * log2e) folded in fp32, beta, limit
+        return (f32(-f32(activation.swiglu_alpha * LOG2E)), f32(activation.swiglu_beta),
+                f32(activation.swiglu_limit), 0.0)
+    if activation.kind == "situ":  # b, 1/b, c (0: no linear clamp), 1/c
+        b, c = activation.situ_beta, activation.situ_linear_beta
+        return (f32(b), f32(1.0 / f32(b)), f32(c) if c else 0.0, f32(1.0 / f32(c)) if c else 0.0)
+    return (0.0, 0.0, 0.0, 0.0)
+
+
 def _buf(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
     if t.dtype != dtype or not t.is_contiguous() or t.device != device:
         raise ValueError(f"{name} must be a contiguous {dtype} tensor on {device}, got {t.dtype} on {t.device}")
@@ -95,8 +110,6 @@ def _buf(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -
 def w4a16_forward(problem, routing: Routing, intermediate: torch.Tensor, slot_output: torch.Tensor,
                   out: torch.Tensor, enable_pdl: bool) -> torch.Tensor:
     """routing -> GEMM1 -> GEMM2 -> finalize on the current stream; every launch's grid depends on T only."""
-    from .kernels.sm90.activations import activation_params
-
     module = _module()
     device = problem.device
     stream = torch.cuda.current_stream(device).cuda_stream

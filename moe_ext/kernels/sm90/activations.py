@@ -1,7 +1,8 @@
 """FC1 activations on fp32 registers (semantics §2.3), with the kernels' fast ex2/rcp sequence (branch-free:
 inlined into the kernels at trace time).
 
-`params` are four runtime fp32 values whose meaning depends on the kind (see `activation_params`)."""
+`params` are four runtime fp32 values whose meaning depends on the kind (host side: moe_ext.launcher
+.activation_params)."""
 from __future__ import annotations
 
 import cutlass
@@ -38,16 +39,3 @@ def apply(kind: str, up, gate, params):
     r = cute.math.max(gate, Float32(0.0))
     return r * r
 
-
-def activation_params(activation) -> tuple[float, float, float, float]:
-    """Host side: the four fp32 parameters of a moe_ext.activation.Activation."""
-    import numpy as np
-
-    f32 = lambda v: float(np.float32(v))  # noqa: E731
-    if activation.kind == "swiglu":
-        return (f32(-f32(activation.swiglu_alpha * LOG2E)), f32(activation.swiglu_beta),
-                f32(activation.swiglu_limit), 0.0)
-    if activation.kind == "situ":
-        b, c = activation.situ_beta, activation.situ_linear_beta
-        return (f32(b), f32(1.0 / f32(b)), f32(c) if c else 0.0, f32(1.0 / f32(c)) if c else 0.0)
-    return (0.0, 0.0, 0.0, 0.0)
