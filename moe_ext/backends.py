@@ -1,8 +1,8 @@
 """Backends that execute a validated MoEProblem, and the choice between them.
 
 The reference backend runs `moe_ext.reference` on any device. The Hopper backend runs the CuTe-DSL kernels
-linked into `moe_ext._C` on sm_90 devices; so far it covers w4a16 without localized shards, and every other
-problem runs on the reference path.
+linked into `moe_ext._C` on sm_90 devices, for every quant mode; localized shards still run on the reference
+path.
 """
 from __future__ import annotations
 
@@ -52,9 +52,9 @@ class HopperBackend:
     def supports(self, problem: MoEProblem) -> bool:
         from . import launcher
 
-        return (problem.quant_mode == "w4a16" and problem.shards is None and problem.num_tokens > 0
-                and problem.num_local_experts <= 2048 and problem.intermediate_size % 64 == 0
-                and launcher.hopper_device(problem.device) and launcher.has_kernel("moe_gemm2_w4a16"))
+        mode = problem.quant_mode + ("_pt" if problem.per_token_scale is not None else "")
+        return (problem.shards is None and problem.num_tokens > 0 and problem.num_local_experts <= 2048
+                and launcher.hopper_device(problem.device) and launcher.has_kernel(f"moe_gemm2_{mode}"))
 
     def tactics(self, problem: MoEProblem) -> list[Tactic]:
         from .launcher import TILE_M
@@ -72,14 +72,14 @@ class HopperBackend:
         T, K = problem.num_tokens, problem.top_k
         if workspace is not None and workspace.tile_size == tile:
             routing = workspace.routing_buffers(T)
-            intermediate = workspace.intermediate[:routing.permuted_to_expanded.numel()]
-            slot_output = workspace.slot_output[:T * K]
+            buffers = workspace.kernel_buffers.view(problem.quant_mode, routing.permuted_to_expanded.numel(),
+                                                    problem.intermediate_size, T * K, problem.hidden_size)
         else:
             routing = launcher.allocate_routing(T, K, problem.num_local_experts, tile, problem.device)
-            intermediate = torch.empty(routing.permuted_to_expanded.numel(), problem.intermediate_size,
-                                       dtype=torch.bfloat16, device=problem.device)
-            slot_output = torch.empty(T * K, problem.hidden_size, dtype=torch.bfloat16, device=problem.device)
-        return launcher.w4a16_forward(problem, routing, intermediate, slot_output, out, problem.enable_pdl)
+            buffers = launcher.KernelBuffers.allocate(problem.quant_mode, routing.permuted_to_expanded.numel(),
+                                                      problem.intermediate_size, T * K, problem.hidden_size,
+                                                      problem.device)
+        return launcher.forward(problem, routing, buffers, out, problem.enable_pdl)
 
 
 HOPPER = HopperBackend()

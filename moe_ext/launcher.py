@@ -6,10 +6,12 @@ checked here, where the tensors are still torch tensors. Launches go to the curr
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
 from .activation import LOG2E
+from .quant.swizzle import swizzled_size
 from .routing import Routing, max_num_tiles
 
 
@@ -31,13 +33,6 @@ def hopper_device(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def _i32_vector(name: str, t: torch.Tensor, device: torch.device) -> int:
-    if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous() or t.device != device:
-        raise ValueError(f"{name} must be a contiguous 1-D int32 tensor on {device}, got {t.dtype} "
-                         f"{tuple(t.shape)} on {t.device}")
-    return t.data_ptr()
-
-
 def allocate_routing(num_tokens: int, top_k: int, num_local_experts: int, tile: int, device) -> Routing:
     tiles = max_num_tiles(num_tokens, top_k, num_local_experts, tile)
     i32 = dict(dtype=torch.int32, device=device)
@@ -54,34 +49,55 @@ def allocate_routing(num_tokens: int, top_k: int, num_local_experts: int, tile: 
     )
 
 
+def launch(name: str, tensors: list[torch.Tensor], scalars: list[float], enable_pdl: bool,
+           device: torch.device) -> None:
+    """Launch exported kernel `name` on the current stream; tensors in its declaration order, flat views."""
+    module = _module()
+    if module is None or not hasattr(module, "launch"):
+        raise RuntimeError("moe_ext._C was built without the sm_90a kernels")
+    module.launch(name, [(t.data_ptr(), t.numel()) for t in tensors], [float(v) for v in scalars],
+                  bool(enable_pdl), torch.cuda.current_stream(device).cuda_stream)
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device, numel: int | None = None,
+           align: int = 4) -> torch.Tensor:
+    """Flat view of a contiguous tensor after the checks the compiled kernels cannot do."""
+    if t.dtype != dtype or not t.is_contiguous() or t.device != device:
+        raise ValueError(f"{name} must be a contiguous {dtype} tensor on {device}, got {t.dtype} "
+                         f"{'contiguous' if t.is_contiguous() else 'strided'} on {t.device}")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} must have {numel} elements, got {t.numel()}")
+    if t.data_ptr() % align:
+        raise ValueError(f"{name} must be {align}-byte aligned")
+    return t.reshape(-1)
+
+
 def route(token_selected_experts: torch.Tensor, num_local_experts: int, local_expert_offset: int,
           out: Routing, enable_pdl: bool = True) -> Routing:
     """Fill `out` (sized by allocate_routing or a workspace) with the routing maps, on the current stream."""
-    module = _module()
-    if module is None or not hasattr(module, "routing"):
-        raise RuntimeError("moe_ext._C was built without the sm_90a kernels")
     ids = token_selected_experts
     device = ids.device
-    if ids.dtype != torch.int32 or ids.dim() != 2 or not ids.is_contiguous() or device.type != "cuda":
+    if ids.dtype != torch.int32 or ids.dim() != 2 or device.type != "cuda":
         raise ValueError("token_selected_experts must be a contiguous [T, K] int32 CUDA tensor")
-    flat = ids.view(-1)
-    e2p = out.expanded_to_permuted
-    if e2p.shape != ids.shape:
-        raise ValueError(f"routing buffers are for {tuple(e2p.shape)} slots, ids are {tuple(ids.shape)}")
-    module.routing(
-        _i32_vector("token_selected_experts", flat, device), flat.numel(), num_local_experts, local_expert_offset,
-        out.tile_size,
-        _i32_vector("expert_counts", out.expert_counts, device),
-        _i32_vector("expert_offsets", out.expert_offsets, device),
-        _i32_vector("expanded_to_permuted", e2p.view(-1), device),
-        _i32_vector("permuted_to_expanded", out.permuted_to_expanded, device), out.permuted_to_expanded.numel(),
-        _i32_vector("tile_to_expert", out.tile_to_expert, device),
-        _i32_vector("tile_to_mn_limit", out.tile_to_mn_limit, device), out.tile_to_expert.numel(),
-        _i32_vector("num_live_tiles", out.num_live_tiles, device),
-        bool(enable_pdl), torch.cuda.current_stream(device).cuda_stream,
-    )
+    if out.expanded_to_permuted.shape != ids.shape:
+        raise ValueError(f"routing buffers are for {tuple(out.expanded_to_permuted.shape)} slots, ids are "
+                         f"{tuple(ids.shape)}")
+    if not 1 <= num_local_experts <= 2048:
+        raise ValueError(f"num_experts must be in [1, 2048] for the routing kernel, got {num_local_experts}")
+    i32 = torch.int32
+    tiles = out.tile_to_expert.numel()
+    tensors = [
+        _check("token_selected_experts", ids, i32, device),
+        _check("expert_counts", out.expert_counts, i32, device, num_local_experts),
+        _check("expert_offsets", out.expert_offsets, i32, device, num_local_experts + 1),
+        _check("expanded_to_permuted", out.expanded_to_permuted, i32, device, ids.numel()),
+        _check("permuted_to_expanded", out.permuted_to_expanded, i32, device, tiles * out.tile_size),
+        _check("tile_to_expert", out.tile_to_expert, i32, device),
+        _check("tile_to_mn_limit", out.tile_to_mn_limit, i32, device, tiles),
+        _check("num_live_tiles", out.num_live_tiles, i32, device, 1),
+    ]
+    launch("moe_routing", tensors, [num_local_experts, local_expert_offset, out.tile_size], enable_pdl, device)
     return out
-
 
 ACTIVATION_KIND = {"swiglu": 0, "situ": 1, "geglu_tanh": 2, "relu2": 3}
 TILE_M = 64  # moe_ext/kernels/sm90/mainloop.py TileConfig.tile_m: the routing tile of the Hopper kernels
@@ -101,43 +117,100 @@ def activation_params(activation) -> tuple[float, float, float, float]:
     return (0.0, 0.0, 0.0, 0.0)
 
 
-def _buf(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
-    if t.dtype != dtype or not t.is_contiguous() or t.device != device:
-        raise ValueError(f"{name} must be a contiguous {dtype} tensor on {device}, got {t.dtype} on {t.device}")
-    return t.data_ptr(), t.numel()
+@dataclass
+class KernelBuffers:
+    """Scratch of one kernel forward, flat: FC2 input (bf16 and/or quantized + swizzled scales), per-row FC2
+    scales (per-token mode) and the per-slot expert outputs the finalize kernel combines."""
+
+    intermediate_bf16: torch.Tensor
+    intermediate_q: torch.Tensor
+    intermediate_sf: torch.Tensor
+    row_scale: torch.Tensor
+    slot_output: torch.Tensor
+
+    @staticmethod
+    def sizes(quant_mode: str, rows: int, inter: int, slots: int, hidden: int) -> dict:
+        """Element counts of each buffer (0 where the mode does not use it)."""
+        block = 32 if quant_mode == "w4a8" else 16
+        quantized = quant_mode != "w4a16"
+        return dict(
+            intermediate_bf16=rows * inter if quant_mode in ("w4a16", "w4a4") else 0,
+            intermediate_q=(rows * inter if quant_mode == "w4a8" else rows * inter // 2) if quantized else 0,
+            intermediate_sf=swizzled_size(1, rows, inter // block) if quantized else 0,
+            row_scale=rows if quant_mode == "w4a4" else 0,
+            slot_output=slots * hidden,
+        )
+
+    @classmethod
+    def allocate(cls, quant_mode: str, rows: int, inter: int, slots: int, hidden: int, device) -> "KernelBuffers":
+        dtypes = dict(intermediate_bf16=torch.bfloat16, intermediate_q=torch.uint8, intermediate_sf=torch.uint8,
+                      row_scale=torch.float32, slot_output=torch.bfloat16)
+        return cls(**{name: torch.empty(max(n, 1), dtype=dtypes[name], device=device)
+                      for name, n in cls.sizes(quant_mode, rows, inter, slots, hidden).items()})
+
+    def view(self, quant_mode: str, rows: int, inter: int, slots: int, hidden: int) -> "KernelBuffers":
+        """The leading parts needed for a smaller problem (workspace buffers sized for the capacity)."""
+        sizes = self.sizes(quant_mode, rows, inter, slots, hidden)
+        return KernelBuffers(**{name: getattr(self, name)[:max(n, 1)] for name, n in sizes.items()})
 
 
-def w4a16_forward(problem, routing: Routing, intermediate: torch.Tensor, slot_output: torch.Tensor,
-                  out: torch.Tensor, enable_pdl: bool) -> torch.Tensor:
-    """routing -> GEMM1 -> GEMM2 -> finalize on the current stream; every launch's grid depends on T only."""
-    module = _module()
+@functools.lru_cache(maxsize=None)
+def _dummies(device: torch.device) -> dict:
+    """One-element stand-ins for the tensors a mode's kernel takes but does not read."""
+    return {dtype: torch.zeros(4, dtype=dtype, device=device)
+            for dtype in (torch.bfloat16, torch.uint8, torch.float32)}
+
+
+def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor, enable_pdl: bool) -> torch.Tensor:
+    """routing -> GEMM1 (-> per-token FC2 quantize) -> GEMM2 -> finalize on the current stream; every grid depends
+    on T only, so the sequence can be captured in a CUDA graph once and replayed for any routing."""
     device = problem.device
-    stream = torch.cuda.current_stream(device).cuda_stream
-    route(problem.token_selected_experts, problem.num_local_experts, problem.local_expert_offset, routing,
-          enable_pdl)
+    T, K, H, I, E = (problem.num_tokens, problem.top_k, problem.hidden_size, problem.intermediate_size,
+                     problem.num_local_experts)
+    n1 = problem.n1
+    if H % 128 or n1 % 128 or I % 64:
+        raise ValueError(f"the sm_90a kernels need H % 128 == 0, N1 % 128 == 0 and I % 64 == 0 (H={H}, I={I})")
+    mode = problem.quant_mode + ("_pt" if problem.per_token_scale is not None else "")
+    block = 32 if mode == "w4a8" else 16
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
-    w = problem.weights
+    dummy = _dummies(device)
+    route(problem.token_selected_experts, E, problem.local_expert_offset, routing, enable_pdl)
     rows = routing.permuted_to_expanded.numel()
-    tiles = routing.tile_to_expert.numel()
-    p2e = _buf("permuted_to_expanded", routing.permuted_to_expanded, i32, device)[0]
-    te = _buf("tile_to_expert", routing.tile_to_expert, i32, device)[0]
-    tl = _buf("tile_to_mn_limit", routing.tile_to_mn_limit, i32, device)[0]
-    live = _buf("num_live_tiles", routing.num_live_tiles, i32, device)[0]
-    module.gemm1_w4a16(
-        ACTIVATION_KIND[problem.activation.kind], *_buf("x", problem.x, bf16, device),
-        *_buf("w1_weight", w.w1, u8, device), *_buf("w1_weight_sf", w.w1_sf_bytes(), u8, device),
-        _buf("w1_alpha", problem.w1_alpha, f32, device)[0], problem.num_local_experts, p2e, rows, te, tl, tiles,
-        live, *_buf("intermediate", intermediate, bf16, device), problem.hidden_size, problem.n1, problem.top_k,
-        *activation_params(problem.activation), enable_pdl, stream)
-    scales = problem.token_final_scales.view(-1)
-    module.gemm2_w4a16(
-        *_buf("intermediate", intermediate, bf16, device), *_buf("w2_weight", w.w2, u8, device),
-        *_buf("w2_weight_sf", w.w2_sf_bytes(), u8, device), _buf("w2_alpha", problem.w2_alpha, f32, device)[0],
-        problem.num_local_experts, *_buf("token_final_scales", scales, f32, device), p2e, rows, te, tl, tiles, live,
-        *_buf("slot_output", slot_output, bf16, device), problem.hidden_size, problem.intermediate_size,
-        problem.use_fused_finalize, enable_pdl, stream)
-    e2p = routing.expanded_to_permuted.view(-1)
-    module.finalize(*_buf("slot_output", slot_output, bf16, device), *_buf("expanded_to_permuted", e2p, i32, device),
-                    _buf("token_final_scales", scales, f32, device)[0], *_buf("moe_output", out, bf16, device),
-                    problem.hidden_size, problem.top_k, problem.use_fused_finalize, enable_pdl, stream)
+    sizes = KernelBuffers.sizes(problem.quant_mode, rows, I, T * K, H)
+    buf = {name: _check(name, getattr(buffers, name)[:n], getattr(buffers, name).dtype, device, n, 16) if n
+           else dummy[getattr(buffers, name).dtype] for name, n in sizes.items()}
+    maps = [routing.permuted_to_expanded, routing.tile_to_expert, routing.tile_to_mn_limit, routing.num_live_tiles]
+    w = problem.weights
+    fc2_scale = problem.fc2_input_scale if problem.fc2_input_scale is not None else dummy[f32]
+    if problem.quant_mode == "w4a16":
+        x_bf16, x_q, x_sf = _check("x", problem.x, bf16, device, T * H, 16), dummy[u8], dummy[u8]
+    else:
+        x_bytes = problem.x.view(u8)
+        x_bf16 = dummy[bf16]
+        x_q = _check("x", x_bytes, u8, device, T * H // (2 if problem.quant_mode == "w4a4" else 1), 16)
+        x_sf = _check("x_sf", problem.x_sf, u8, device, T * H // block)
+    pts = (_check("per_token_scale", problem.per_token_scale, f32, device, T) if problem.per_token_scale is not None
+           else dummy[f32])
+    launch(f"moe_gemm1_{mode}_{problem.activation.kind}", [
+        x_bf16, x_q, x_sf, pts,
+        _check("w1_weight", w.w1, u8, device, E * n1 * H // 2, 16),
+        _check("w1_weight_sf", w.w1_sf_bytes(), u8, device, swizzled_size(E, n1, H // block), 16),
+        _check("w1_alpha", problem.w1_alpha, f32, device, E), *maps,
+        buf["intermediate_bf16"], buf["intermediate_q"], buf["intermediate_sf"], fc2_scale,
+    ], [H, n1, K, *activation_params(problem.activation)], enable_pdl, device)
+    if mode == "w4a4_pt":
+        launch("moe_fc2_quant_per_token", [buf["intermediate_bf16"], routing.permuted_to_expanded, fc2_scale,
+                                           buf["intermediate_q"], buf["intermediate_sf"], buf["row_scale"]],
+               [I], enable_pdl, device)
+    scales = _check("token_final_scales", problem.token_final_scales, f32, device, T * K)
+    launch(f"moe_gemm2_{mode}", [
+        buf["intermediate_bf16"], buf["intermediate_q"], buf["intermediate_sf"], buf["row_scale"],
+        _check("w2_weight", w.w2, u8, device, E * H * I // 2, 16),
+        _check("w2_weight_sf", w.w2_sf_bytes(), u8, device, swizzled_size(E, H, I // block), 16),
+        _check("w2_alpha", problem.w2_alpha, f32, device, E), scales, *maps, buf["slot_output"],
+    ], [H, I, problem.use_fused_finalize], enable_pdl, device)
+    launch("moe_finalize", [
+        buf["slot_output"], _check("expanded_to_permuted", routing.expanded_to_permuted, i32, device, T * K), scales,
+        _check("moe_output", out, bf16, device, T * H, 16),
+    ], [H, K, problem.use_fused_finalize], enable_pdl, device)
     return out

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .launcher import KernelBuffers
 from .routing import Routing, max_num_tiles
 
 
@@ -27,32 +28,17 @@ class MoEWorkspace:
     tile_to_expert: torch.Tensor
     tile_to_mn_limit: torch.Tensor
     num_live_tiles: torch.Tensor
-    # FC1 output / FC2 input in the mode's format, its block scales (swizzled) and per-row scales
-    intermediate: torch.Tensor
-    intermediate_sf: torch.Tensor
-    row_scale: torch.Tensor
-    # per-slot bf16 expert outputs of the deterministic finalize, and the layer output
-    slot_output: torch.Tensor
+    # FC2 input (bf16 and/or quantized with swizzled scales), per-row FC2 scales, per-slot expert outputs
+    kernel_buffers: KernelBuffers
     output: torch.Tensor
 
     @classmethod
     def allocate(cls, *, max_num_tokens: int, top_k: int, num_local_experts: int, hidden_size: int,
-                 intermediate_size: int, quant_mode: str, deterministic: bool, tile_size: int,
+                 intermediate_size: int, quant_mode: str, tile_size: int,
                  output_dtype: torch.dtype, device) -> "MoEWorkspace":
         tiles = max(1, max_num_tiles(max_num_tokens, top_k, num_local_experts, tile_size))
         rows = tiles * tile_size
         i32 = dict(dtype=torch.int32, device=device)
-        if quant_mode == "w4a4":
-            inter = torch.empty(rows, intermediate_size // 2, dtype=torch.uint8, device=device)
-            sf_cols = intermediate_size // 16
-        elif quant_mode == "w4a8":
-            inter = torch.empty(rows, intermediate_size, dtype=torch.float8_e4m3fn, device=device)
-            sf_cols = intermediate_size // 32
-        else:
-            inter = torch.empty(rows, intermediate_size, dtype=torch.bfloat16, device=device)
-            sf_cols = 0
-        sf_bytes = rows * (-(-sf_cols // 4) * 4)
-        slots = max_num_tokens * top_k if (deterministic or quant_mode == "w4a16") else 0
         return cls(
             max_num_tokens=max_num_tokens, top_k=top_k, num_local_experts=num_local_experts, tile_size=tile_size,
             local_expert=torch.empty(max_num_tokens, top_k, **i32),
@@ -63,10 +49,8 @@ class MoEWorkspace:
             tile_to_expert=torch.empty(tiles, **i32),
             tile_to_mn_limit=torch.empty(tiles, **i32),
             num_live_tiles=torch.empty(1, **i32),
-            intermediate=inter,
-            intermediate_sf=torch.empty(sf_bytes, dtype=torch.uint8, device=device),
-            row_scale=torch.empty(rows, dtype=torch.float32, device=device),
-            slot_output=torch.empty(slots, hidden_size, dtype=torch.bfloat16, device=device),
+            kernel_buffers=KernelBuffers.allocate(quant_mode, rows, intermediate_size, max_num_tokens * top_k,
+                                                  hidden_size, device),
             output=torch.empty(max_num_tokens, hidden_size, dtype=output_dtype, device=device),
         )
 

@@ -74,7 +74,7 @@ class CuteDslMoEWrapper:
         # The Hopper kernels have a fixed routing tile; the workspace's routing maps must use it.
         from . import launcher
 
-        self.routing_tile = (launcher.TILE_M if self.quant_mode == "w4a16" and launcher.has_kernel("moe_gemm2_w4a16")
+        self.routing_tile = (launcher.TILE_M if launcher.has_kernel(f"moe_gemm2_{self.quant_mode}")
                              and launcher.hopper_device(torch.device(device)) else tile_size)
         self.sf_vec_size = sf_vec_size  # kept for FlashInfer compatibility; the quant mode fixes the block
         self.output_dtype = output_dtype
@@ -97,7 +97,7 @@ class CuteDslMoEWrapper:
         return MoEWorkspace.allocate(
             max_num_tokens=capacity, top_k=self.top_k, num_local_experts=self.num_local_experts,
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, quant_mode=self.quant_mode,
-            deterministic=not self.use_fused_finalize, tile_size=self.routing_tile, output_dtype=self.output_dtype,
+            tile_size=self.routing_tile, output_dtype=self.output_dtype,
             device=self.device)
 
     def _workspace_for(self, num_tokens: int) -> MoEWorkspace:

@@ -10,9 +10,10 @@ import moe_ext  # noqa: E402
 from moe_ext.backends import HOPPER, backend_for  # noqa: E402
 from moe_ext.problem import build_problem  # noqa: E402
 
-for act in ("swiglu", "situ_linear", "geglu_tanh", "relu2"):
+for mode, act in (("w4a16", "situ_linear"), ("w4a16", "relu2"), ("w4a4", "swiglu"), ("w4a4_pt", "geglu_tanh"),
+                  ("w4a8", "swiglu"), ("w4a8", "relu2")):
     for ep, rank in ((1, 0), (4, 3)):
-        case = make_case("w4a16", act, num_tokens=9, top_k=3, num_experts=8, hidden=256, inter=256, ep=ep,
+        case = make_case(mode, act, num_tokens=9, top_k=3, num_experts=8, hidden=256, inter=256, ep=ep,
                          rank=rank, invalid_fraction=0.1).to("cuda")
         for fused in (True, False):
             kw = case.kwargs(use_fused_finalize=fused)

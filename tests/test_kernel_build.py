@@ -12,8 +12,12 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
 def test_every_shipped_kernel_compiles_for_sm90a(tmp_path):
     subprocess.run([sys.executable, "-m", "moe_ext.kernels.sm90.build", str(tmp_path)], check=True)
     names = (tmp_path / "kernels.txt").read_text().split()
-    assert names == ["moe_routing", "moe_gemm1_swiglu", "moe_gemm1_situ", "moe_gemm1_geglu_tanh", "moe_gemm1_relu2",
-                     "moe_gemm2_w4a16", "moe_finalize"]
+    gemm1 = [f"moe_gemm1_{mode}_{kind}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
+             for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
+    gemm2 = [f"moe_gemm2_{mode}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")]
+    assert names == ["moe_routing", *gemm1, *gemm2, "moe_fc2_quant_per_token", "moe_finalize"]
+    table = (tmp_path / "kernel_table.inc").read_text()
+    assert all(f'{{"{name}",' in table for name in names)
     for name in names:
         assert (tmp_path / f"{name}.o").stat().st_size > 0
         header = (tmp_path / f"{name}.h").read_text()
@@ -26,4 +30,6 @@ def test_every_shipped_kernel_compiles_for_sm90a(tmp_path):
 def test_installed_launcher_links_the_kernels():
     from moe_ext import _C
 
-    assert {"moe_routing", "moe_gemm1_swiglu", "moe_gemm2_w4a16", "moe_finalize"} <= set(_C.kernels())
+    linked = set(_C.kernels())
+    assert {"moe_routing", "moe_gemm1_w4a4_swiglu", "moe_gemm2_w4a8", "moe_fc2_quant_per_token",
+            "moe_finalize"} <= linked

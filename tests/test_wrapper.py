@@ -41,8 +41,10 @@ def test_constructor_signature_matches_flashinfer():
 def test_wrapper_matches_functional_api_and_reuses_its_buffers(mode, fused):
     wrapper = wrapper_for(make_case(mode), max_num_tokens=32, use_fused_finalize=fused)
     workspace = wrapper.workspace
-    pointers = {name: getattr(workspace, name).data_ptr() for name in ("output", "expanded_to_permuted",
-                                                                        "permuted_to_expanded", "intermediate")}
+    buffers = {"output": lambda w: w.output, "expanded_to_permuted": lambda w: w.expanded_to_permuted,
+               "permuted_to_expanded": lambda w: w.permuted_to_expanded,
+               "slot_output": lambda w: w.kernel_buffers.slot_output}
+    pointers = {name: get(workspace).data_ptr() for name, get in buffers.items()}
     for num_tokens, seed in ((32, 0), (5, 1), (17, 2), (1, 3)):
         case = make_case(mode, num_tokens=num_tokens, seed=seed, invalid_fraction=0.1)
         expected = moe_ext.cute_dsl_fused_moe(**case.kwargs(use_fused_finalize=fused))
@@ -50,7 +52,7 @@ def test_wrapper_matches_functional_api_and_reuses_its_buffers(mode, fused):
         assert torch.equal(out, expected)
         assert out.data_ptr() == pointers["output"], "output must be the preallocated buffer"
         assert wrapper.workspace is workspace
-        assert {n: getattr(workspace, n).data_ptr() for n in pointers} == pointers
+        assert {name: get(workspace).data_ptr() for name, get in buffers.items()} == pointers
         # The routing maps the run used were written into the workspace.
         assert torch.equal(workspace.expanded_to_permuted[:num_tokens] >= 0,
                            (case.ids >= 0) & (case.ids < case.num_experts))

@@ -1,10 +1,17 @@
-"""GEMM1 (sm_90a, w4a16): gathered bf16 token rows x NVFP4 FC1 weights -> alpha -> activation -> bf16 FC2 input.
+"""GEMM1 (sm_90a): gathered token rows x 4-bit FC1 weights -> alpha (x per-token scale) -> activation -> FC2 input.
 
 Grid (max tiles, N1 / tile_n): CTA (m, n) takes routing tile m (one local expert, tile_m permuted rows) and weight
 rows [n*tile_n, (n+1)*tile_n); tiles past the device-side live count exit, so the grid depends only on T.
 Token rows are gathered through permuted_to_expanded (token = expanded // top_k) straight from x: the permuted
 copy is never materialised. With the 64-row up/gate interleave, a 128-row weight tile yields intermediate columns
-[64n, 64n + 64): up in accumulator columns 0..63, gate in 64..127. Every tensor is flat; sizes are arguments.
+[64n, 64n + 64): up in accumulator columns 0..63, gate in 64..127.
+
+Modes (a compile-time choice; operands decode exactly to bf16, semantics §2.1):
+  w4a16    x bf16,                 w1 NVFP4 (e4m3 per 16) -> FC2 input bf16
+  w4a4     x NVFP4 (linear e4m3),  w1 NVFP4                -> FC2 input NVFP4, per-tensor scale (§2.4a)
+  w4a4_pt  like w4a4, accumulator also times per_token_scale -> FC2 input bf16 (the per-token kernel quantizes it)
+  w4a8     x MXFP8 (linear ue8m0), w1 MXFP4 (ue8m0 per 32) -> FC2 input MXFP8 (§2.4c)
+Every tensor is flat and the kernel takes all of them; a mode ignores the ones it does not use (1-element dummies).
 """
 from __future__ import annotations
 
@@ -13,19 +20,26 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from . import activations
-from .fp4 import e2m1_to_f32, e4m3_to_f32, swizzled_sf_offset
+from . import activations, quantize
+from .fp4 import e2m1_to_f32, e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
 from .mainloop import TILE, make_mma, mma_chunk, shared_tiles
 
+MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 
-def make_kernel(kind: str):
+
+def make_kernel(mode: str, kind: str):
     gated = kind != "relu2"
+    a_format = {"w4a16": "bf16", "w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}[mode]
+    b_block = 32 if mode == "w4a8" else 16
+    out_format = {"w4a16": "bf16", "w4a4": "nvfp4", "w4a4_pt": "bf16", "w4a8": "mxfp8"}[mode]
+    half_k = TILE.tile_k // 2  # K values of a chunk each A-loading thread decodes
 
     @cute.kernel
-    def gemm1_kernel(x: cute.Tensor, w1: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor,
-                     permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor,
-                     num_live_tiles: cute.Tensor, intermediate: cute.Tensor, hidden: Int32, n1: Int32, top_k: Int32,
-                     p0: Float32, p1: Float32, p2: Float32, p3: Float32):
+    def gemm1_kernel(x_bf16: cute.Tensor, x_q: cute.Tensor, x_sf: cute.Tensor, per_token_scale: cute.Tensor,
+                     w1: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor, permuted_to_expanded: cute.Tensor,
+                     tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
+                     out_bf16: cute.Tensor, out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor,
+                     hidden: Int32, n1: Int32, top_k: Int32, p0: Float32, p1: Float32, p2: Float32, p3: Float32):
         tid, _, _ = cute.arch.thread_idx()
         tile, n_tile, _ = cute.arch.block_idx()
         cute.arch.griddepcontrol_wait()
@@ -42,22 +56,39 @@ def make_kernel(kind: str):
                 token = permuted_to_expanded[row0 + a_row] // top_k
             b_row = n_tile * TILE.tile_n + tid
             packed_row = (expert * n1 + b_row) * (hidden // 2)
-
             tiled_mma, t_sa, t_sb, t_sc, r_a, r_b, acc = make_mma(tid, s_a, s_b, s_c)
             for k0 in cutlass.range(0, hidden, TILE.tile_k):
-                for i in cutlass.range_constexpr(TILE.tile_k // 2):
-                    col = a_half * (TILE.tile_k // 2) + i
-                    value = BFloat16(0.0)
-                    if token >= 0:
-                        value = x[token * hidden + k0 + col]
-                    s_a[a_row, col] = value
-                for blk in cutlass.range_constexpr(TILE.tile_k // 16):
-                    sf_at = swizzled_sf_offset(expert, b_row, k0 // 16 + blk, n1, hidden // 16)
-                    scale = e4m3_to_f32(Int32(w1_sf[sf_at]))
-                    for j in cutlass.range_constexpr(8):
-                        byte = Int32(w1[packed_row + k0 // 2 + blk * 8 + j])
-                        s_b[tid, blk * 16 + 2 * j] = (e2m1_to_f32(byte & 15) * scale).to(BFloat16)
-                        s_b[tid, blk * 16 + 2 * j + 1] = (e2m1_to_f32(byte >> 4) * scale).to(BFloat16)
+                ka = k0 + a_half * half_k
+                if token >= 0:
+                    if cutlass.const_expr(a_format == "bf16"):
+                        for i in cutlass.range_constexpr(half_k):
+                            s_a[a_row, a_half * half_k + i] = x_bf16[token * hidden + ka + i]
+                    elif cutlass.const_expr(a_format == "nvfp4"):
+                        for blk in cutlass.range_constexpr(half_k // 16):
+                            scale = e4m3_to_f32(Int32(x_sf[token * (hidden // 16) + ka // 16 + blk]))
+                            for j in cutlass.range_constexpr(8):
+                                byte = Int32(x_q[token * (hidden // 2) + ka // 2 + blk * 8 + j])
+                                col = a_half * half_k + blk * 16 + 2 * j
+                                s_a[a_row, col] = (e2m1_to_f32(byte & 15) * scale).to(BFloat16)
+                                s_a[a_row, col + 1] = (e2m1_to_f32(byte >> 4) * scale).to(BFloat16)
+                    else:
+                        scale = ue8m0_to_f32(Int32(x_sf[token * (hidden // 32) + ka // 32]))
+                        for i in cutlass.range_constexpr(half_k):
+                            value = e4m3_to_f32(Int32(x_q[token * hidden + ka + i])) * scale
+                            s_a[a_row, a_half * half_k + i] = value.to(BFloat16)
+                else:
+                    for i in cutlass.range_constexpr(half_k):
+                        s_a[a_row, a_half * half_k + i] = BFloat16(0.0)
+                for blk in cutlass.range_constexpr(TILE.tile_k // b_block):
+                    sf_at = swizzled_sf_offset(expert, b_row, k0 // b_block + blk, n1, hidden // b_block)
+                    if cutlass.const_expr(b_block == 16):
+                        scale = e4m3_to_f32(Int32(w1_sf[sf_at]))
+                    else:
+                        scale = ue8m0_to_f32(Int32(w1_sf[sf_at]))
+                    for j in cutlass.range_constexpr(b_block // 2):
+                        byte = Int32(w1[packed_row + k0 // 2 + blk * (b_block // 2) + j])
+                        s_b[tid, blk * b_block + 2 * j] = (e2m1_to_f32(byte & 15) * scale).to(BFloat16)
+                        s_b[tid, blk * b_block + 2 * j + 1] = (e2m1_to_f32(byte >> 4) * scale).to(BFloat16)
                 cute.arch.sync_threads()
                 mma_chunk(tiled_mma, t_sa, t_sb, r_a, r_b, acc)
                 cute.arch.sync_threads()
@@ -69,9 +100,12 @@ def make_kernel(kind: str):
             row = row0 + a_row
             if row < limit:
                 s1 = w1_alpha[expert]
+                if cutlass.const_expr(mode == "w4a4_pt"):
+                    s1 = s1 * per_token_scale[token]
                 width = TILE.tile_n // 2 if gated else TILE.tile_n
-                out_col0 = n_tile * width
                 per_thread = width // 2
+                col0 = n_tile * width + a_half * per_thread  # first intermediate column of this thread
+                values = []
                 for i in cutlass.range_constexpr(per_thread):
                     c = a_half * per_thread + i
                     if cutlass.const_expr(gated):
@@ -79,31 +113,49 @@ def make_kernel(kind: str):
                                               (p0, p1, p2, p3))
                     else:
                         h = activations.apply(kind, None, s_c[a_row, c] * s1, (p0, p1, p2, p3))
-                    intermediate[row * inter + out_col0 + c] = h.to(BFloat16)
+                    values.append(h)
+                if cutlass.const_expr(out_format == "bf16"):
+                    for i in cutlass.range_constexpr(per_thread):
+                        out_bf16[row * inter + col0 + i] = values[i].to(BFloat16)
+                elif cutlass.const_expr(out_format == "nvfp4"):
+                    rows = cute.size(permuted_to_expanded)
+                    gs2 = fc2_input_scale[0]
+                    for blk in cutlass.range_constexpr(per_thread // 16):
+                        quantize.store_nvfp4_per_tensor(
+                            values[blk * 16:(blk + 1) * 16], gs2, out_q, row * (inter // 2) + (col0 + blk * 16) // 2,
+                            out_sf, swizzled_sf_offset(0, row, col0 // 16 + blk, rows, inter // 16))
+                else:
+                    rows = cute.size(permuted_to_expanded)
+                    for blk in cutlass.range_constexpr(per_thread // 32):
+                        quantize.store_mxfp8(values[blk * 32:(blk + 1) * 32], out_q, row * inter + col0 + blk * 32,
+                                             out_sf, swizzled_sf_offset(0, row, col0 // 32 + blk, rows, inter // 32))
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def launch(x: cute.Tensor, w1: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor,
-               permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor,
-               num_live_tiles: cute.Tensor, intermediate: cute.Tensor, hidden: Int32, n1: Int32, top_k: Int32,
-               p0: Float32, p1: Float32, p2: Float32, p3: Float32, pdl: cutlass.Boolean, stream: cuda.CUstream):
-        grid_m = cute.size(tile_to_expert)
-        grid_n = n1 // TILE.tile_n
-        gemm1_kernel(x, w1, w1_sf, w1_alpha, permuted_to_expanded, tile_to_expert, tile_to_mn_limit,
-                     num_live_tiles, intermediate, hidden, n1, top_k, p0, p1, p2, p3).launch(
-            grid=(grid_m, grid_n, 1), block=(TILE.threads, 1, 1), stream=stream, use_pdl=pdl)
+    def launch(x_bf16: cute.Tensor, x_q: cute.Tensor, x_sf: cute.Tensor, per_token_scale: cute.Tensor,
+               w1: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor, permuted_to_expanded: cute.Tensor,
+               tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
+               out_bf16: cute.Tensor, out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor,
+               hidden: Int32, n1: Int32, top_k: Int32, p0: Float32, p1: Float32, p2: Float32, p3: Float32,
+               pdl: cutlass.Boolean, stream: cuda.CUstream):
+        gemm1_kernel(x_bf16, x_q, x_sf, per_token_scale, w1, w1_sf, w1_alpha, permuted_to_expanded, tile_to_expert,
+                     tile_to_mn_limit, num_live_tiles, out_bf16, out_q, out_sf, fc2_input_scale, hidden, n1, top_k,
+                     p0, p1, p2, p3).launch(
+            grid=(cute.size(tile_to_expert), n1 // TILE.tile_n, 1), block=(TILE.threads, 1, 1), stream=stream,
+            use_pdl=pdl)
 
     return launch
 
 
-def compile_gemm1(kind: str, options: str):
+def compile_gemm1(mode: str, kind: str, options: str):
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     def vector(dtype, align=4):
         return make_fake_compact_tensor(dtype, (cute.sym_int(),), assumed_align=align)
 
+    u8 = cutlass.Uint8
     return cute.compile(
-        make_kernel(kind), vector(BFloat16, 16), vector(cutlass.Uint8, 16), vector(cutlass.Uint8, 16),
-        vector(Float32), vector(Int32), vector(Int32), vector(Int32), vector(Int32), vector(BFloat16, 16),
-        Int32(128), Int32(256), Int32(1), Float32(0), Float32(0), Float32(0), Float32(0), cutlass.Boolean(True),
-        cuda.CUstream(0), options=options)
+        make_kernel(mode, kind), vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32),
+        vector(u8, 16), vector(u8, 16), vector(Float32), vector(Int32), vector(Int32), vector(Int32), vector(Int32),
+        vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32), Int32(128), Int32(256), Int32(1),
+        Float32(0), Float32(0), Float32(0), Float32(0), cutlass.Boolean(True), cuda.CUstream(0), options=options)
