@@ -26,9 +26,9 @@ echo "memcheck rc=$? :: $(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/memcheck.l
 python3 benchmarks/bench_routing.py --out "$OUT/routing.json" > "$OUT/bench_routing.log" 2>&1
 echo "bench_routing rc=$?" | tee -a "$OUT/summary.txt"
 cat "$OUT/bench_routing.log" | tee -a "$OUT/summary.txt"
-timeout 300 python3 benchmarks/bench_w4a16.py --out "$OUT/w4a16.json" > "$OUT/bench_w4a16.log" 2>&1
-echo "bench_w4a16 rc=$?" | tee -a "$OUT/summary.txt"
-cat "$OUT/bench_w4a16.log" | tee -a "$OUT/summary.txt"
+timeout 400 python3 benchmarks/bench_kernels_v1.py --modes w4a16,w4a4,w4a8 --out "$OUT/kernels_v1.json" > "$OUT/bench_kernels_v1.log" 2>&1
+echo "bench_kernels_v1 rc=$?" | tee -a "$OUT/summary.txt"
+cat "$OUT/bench_kernels_v1.log" | tee -a "$OUT/summary.txt"
 python3 examples/quickstart.py > "$OUT/quickstart.log" 2>&1
 echo "quickstart rc=$?" | tee -a "$OUT/summary.txt"
 cat "$OUT/quickstart.log" | tee -a "$OUT/summary.txt"
