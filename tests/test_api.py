@@ -1,7 +1,6 @@
 """The public API: FlashInfer's signature, the deprecated alias, output handling, ActivationType values."""
 import inspect
 import pathlib
-import re
 from typing import Tuple
 
 import pytest

@@ -4,7 +4,6 @@ H100/H200 or without the kernels linked into moe_ext._C.
 
 Gates (issue 3): relative L2 error vs the reference <= 5e-3 for w4a16 and <= 2e-2 for w4a4/w4a8, where the
 kernels' fast ex2/rcp and their summation order can move an FC2-input value across a rounding point."""
-import itertools
 
 import pytest
 import torch

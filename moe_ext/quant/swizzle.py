@@ -81,7 +81,7 @@ def _as_uint8(t: torch.Tensor) -> torch.Tensor:
 def _is_mma_view(t: torch.Tensor, expected_bytes: int) -> bool:
     if t.dim() != 6 or t.shape[0] != 32 or t.shape[1] != 4 or t.shape[3] != 4:
         return False
-    m_tiles, k_tiles, groups = t.shape[2], t.shape[4], t.shape[5]
+    m_tiles, k_tiles = t.shape[2], t.shape[4]
     strides = (16, 4, k_tiles * ATOM_BYTES, 1, ATOM_BYTES, m_tiles * k_tiles * ATOM_BYTES)
     return t.stride() == strides and t.numel() == expected_bytes
 

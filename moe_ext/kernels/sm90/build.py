@@ -86,7 +86,7 @@ def parse_signature(header: str, name: str) -> list[tuple[str, str]]:
     for decl in (a.strip() for a in match.group(2).split(",")):
         ctype, arg = decl.rsplit(" ", 1)
         if arg.startswith("*"):
-            if not re.fullmatch(rf"{name}_Tensor_\w+_t", ctype) or f"dynamic_strides" in header:
+            if not re.fullmatch(rf"{name}_Tensor_\w+_t", ctype) or "dynamic_strides" in header:
                 raise ValueError(f"{name}: only flat tensors are supported, got {decl}")
             args.append(("tensor", arg[1:]))
         elif arg == "pdl" or arg == "stream":

@@ -21,8 +21,9 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from . import activations, quantize
-from .fp4 import e2m1_to_f32, e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
-from .mainloop import TILE, make_mma, mma_chunk, shared_tiles
+from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
+from .mainloop import (TILE, load_weight_chunk, make_mma, mma_chunk, shared_tiles,
+                       store_e2m1_pairs)
 
 MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 
@@ -55,7 +56,6 @@ def make_kernel(mode: str, kind: str):
             if row0 + a_row < limit:
                 token = permuted_to_expanded[row0 + a_row] // top_k
             b_row = n_tile * TILE.tile_n + tid
-            packed_row = (expert * n1 + b_row) * (hidden // 2)
             tiled_mma, t_sa, t_sb, t_sc, r_a, r_b, acc = make_mma(tid, s_a, s_b, s_c)
             for k0 in cutlass.range(0, hidden, TILE.tile_k):
                 ka = k0 + a_half * half_k
@@ -66,11 +66,8 @@ def make_kernel(mode: str, kind: str):
                     elif cutlass.const_expr(a_format == "nvfp4"):
                         for blk in cutlass.range_constexpr(half_k // 16):
                             scale = e4m3_to_f32(Int32(x_sf[token * (hidden // 16) + ka // 16 + blk]))
-                            for j in cutlass.range_constexpr(8):
-                                byte = Int32(x_q[token * (hidden // 2) + ka // 2 + blk * 8 + j])
-                                col = a_half * half_k + blk * 16 + 2 * j
-                                s_a[a_row, col] = (e2m1_to_f32(byte & 15) * scale).to(BFloat16)
-                                s_a[a_row, col + 1] = (e2m1_to_f32(byte >> 4) * scale).to(BFloat16)
+                            store_e2m1_pairs(s_a, a_row, a_half * half_k + blk * 16, x_q,
+                                             token * (hidden // 2) + ka // 2 + blk * 8, 8, scale)
                     else:
                         scale = ue8m0_to_f32(Int32(x_sf[token * (hidden // 32) + ka // 32]))
                         for i in cutlass.range_constexpr(half_k):
@@ -79,16 +76,7 @@ def make_kernel(mode: str, kind: str):
                 else:
                     for i in cutlass.range_constexpr(half_k):
                         s_a[a_row, a_half * half_k + i] = BFloat16(0.0)
-                for blk in cutlass.range_constexpr(TILE.tile_k // b_block):
-                    sf_at = swizzled_sf_offset(expert, b_row, k0 // b_block + blk, n1, hidden // b_block)
-                    if cutlass.const_expr(b_block == 16):
-                        scale = e4m3_to_f32(Int32(w1_sf[sf_at]))
-                    else:
-                        scale = ue8m0_to_f32(Int32(w1_sf[sf_at]))
-                    for j in cutlass.range_constexpr(b_block // 2):
-                        byte = Int32(w1[packed_row + k0 // 2 + blk * (b_block // 2) + j])
-                        s_b[tid, blk * b_block + 2 * j] = (e2m1_to_f32(byte & 15) * scale).to(BFloat16)
-                        s_b[tid, blk * b_block + 2 * j + 1] = (e2m1_to_f32(byte >> 4) * scale).to(BFloat16)
+                load_weight_chunk(s_b, tid, w1, w1_sf, expert, b_row, n1, k0, hidden, b_block)
                 cute.arch.sync_threads()
                 mma_chunk(tiled_mma, t_sa, t_sb, r_a, r_b, acc)
                 cute.arch.sync_threads()

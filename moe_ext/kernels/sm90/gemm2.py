@@ -15,8 +15,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
-from .fp4 import e2m1_to_f32, e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
-from .mainloop import TILE, make_mma, mma_chunk, shared_tiles
+from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
+from .mainloop import (TILE, load_weight_chunk, make_mma, mma_chunk, shared_tiles,
+                       store_e2m1_pairs)
 
 MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 
@@ -45,7 +46,6 @@ def make_kernel(mode: str):
             a_half = tid % 2
             row = row0 + a_row
             b_row = n_tile * TILE.tile_n + tid
-            packed_row = (expert * hidden + b_row) * (inter // 2)
             tiled_mma, t_sa, t_sb, t_sc, r_a, r_b, acc = make_mma(tid, s_a, s_b, s_c)
             for k0 in cutlass.range(0, inter, TILE.tile_k):
                 ka = k0 + a_half * half_k
@@ -55,13 +55,10 @@ def make_kernel(mode: str):
                             s_a[a_row, a_half * half_k + i] = a_bf16[row * inter + ka + i]
                     elif cutlass.const_expr(a_format == "nvfp4"):
                         for blk in cutlass.range_constexpr(half_k // 16):
-                            sf_at = swizzled_sf_offset(0, row, ka // 16 + blk, rows, inter // 16)
-                            scale = e4m3_to_f32(Int32(a_sf[sf_at]))
-                            for j in cutlass.range_constexpr(8):
-                                byte = Int32(a_q[row * (inter // 2) + ka // 2 + blk * 8 + j])
-                                col = a_half * half_k + blk * 16 + 2 * j
-                                s_a[a_row, col] = (e2m1_to_f32(byte & 15) * scale).to(BFloat16)
-                                s_a[a_row, col + 1] = (e2m1_to_f32(byte >> 4) * scale).to(BFloat16)
+                            scale = e4m3_to_f32(Int32(a_sf[swizzled_sf_offset(0, row, ka // 16 + blk, rows,
+                                                                              inter // 16)]))
+                            store_e2m1_pairs(s_a, a_row, a_half * half_k + blk * 16, a_q,
+                                             row * (inter // 2) + ka // 2 + blk * 8, 8, scale)
                     else:
                         scale = ue8m0_to_f32(Int32(a_sf[swizzled_sf_offset(0, row, ka // 32, rows, inter // 32)]))
                         for i in cutlass.range_constexpr(half_k):
@@ -70,16 +67,7 @@ def make_kernel(mode: str):
                 else:
                     for i in cutlass.range_constexpr(half_k):
                         s_a[a_row, a_half * half_k + i] = BFloat16(0.0)
-                for blk in cutlass.range_constexpr(TILE.tile_k // b_block):
-                    sf_at = swizzled_sf_offset(expert, b_row, k0 // b_block + blk, hidden, inter // b_block)
-                    if cutlass.const_expr(b_block == 16):
-                        scale = e4m3_to_f32(Int32(w2_sf[sf_at]))
-                    else:
-                        scale = ue8m0_to_f32(Int32(w2_sf[sf_at]))
-                    for j in cutlass.range_constexpr(b_block // 2):
-                        byte = Int32(w2[packed_row + k0 // 2 + blk * (b_block // 2) + j])
-                        s_b[tid, blk * b_block + 2 * j] = (e2m1_to_f32(byte & 15) * scale).to(BFloat16)
-                        s_b[tid, blk * b_block + 2 * j + 1] = (e2m1_to_f32(byte >> 4) * scale).to(BFloat16)
+                load_weight_chunk(s_b, tid, w2, w2_sf, expert, b_row, hidden, k0, inter, b_block)
                 cute.arch.sync_threads()
                 mma_chunk(tiled_mma, t_sa, t_sb, r_a, r_b, acc)
                 cute.arch.sync_threads()

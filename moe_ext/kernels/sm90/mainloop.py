@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Int32
+
+from .fp4 import e2m1_to_f32, e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
 
 
 @dataclass(frozen=True)
@@ -68,3 +70,23 @@ def mma_chunk(tiled_mma, t_sa, t_sb, r_a, r_b, acc):
     cute.autovec_copy(t_sb, r_b)
     for kb in range(cute.size(r_a, mode=[2])):  # static: a plain Python loop unrolls at trace time
         cute.gemm(tiled_mma, acc, r_a[None, None, kb], r_b[None, None, kb], acc)
+
+
+def store_e2m1_pairs(s_tile, row, col0, packed, byte0, num_bytes, scale):
+    """Decode `num_bytes` packed e2m1 bytes (packed[byte0 + j], even element in the low nibble) times `scale` into
+    s_tile[row, col0 : col0 + 2 * num_bytes] as bf16."""
+    for j in range(num_bytes):
+        byte = Int32(packed[byte0 + j])
+        s_tile[row, col0 + 2 * j] = (e2m1_to_f32(byte & 15) * scale).to(BFloat16)
+        s_tile[row, col0 + 2 * j + 1] = (e2m1_to_f32(byte >> 4) * scale).to(BFloat16)
+
+
+def load_weight_chunk(s_b, tid, w, w_sf, expert, weight_row, rows_per_expert, k0, k_extent, block):
+    """Thread `tid` decodes the K chunk [k0, k0 + tile_k) of one 4-bit weight row into s_b[tid, :]: e2m1 codes
+    times their scale (e4m3 per 16 for NVFP4, ue8m0 per 32 for MXFP4) read from the 128x4-swizzled layout."""
+    packed_row = (expert * rows_per_expert + weight_row) * (k_extent // 2)
+    for blk in range(TILE.tile_k // block):
+        sf_at = swizzled_sf_offset(expert, weight_row, k0 // block + blk, rows_per_expert, k_extent // block)
+        raw = Int32(w_sf[sf_at])
+        scale = e4m3_to_f32(raw) if block == 16 else ue8m0_to_f32(raw)
+        store_e2m1_pairs(s_b, tid, blk * block, w, packed_row + k0 // 2 + blk * (block // 2), block // 2, scale)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 from .fp4 import e2m1_code, e4m3_code, e4m3_to_f32, ue8m0_ceil_code, ue8m0_reciprocal
 
