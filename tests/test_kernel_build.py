@@ -33,3 +33,26 @@ def test_installed_launcher_links_the_kernels():
     linked = set(_C.kernels())
     assert {"moe_routing", "moe_gemm1_w4a4_swiglu", "moe_gemm2_w4a8", "moe_fc2_quant_per_token",
             "moe_finalize"} <= linked
+
+
+def test_launcher_table_generation_from_a_header(tmp_path):
+    from moe_ext.kernels.sm90.build import kernel_table, parse_signature
+
+    header = (
+        "typedef struct { void *data; int32_t dynamic_shapes[1]; } k_Tensor_a_t;\n"
+        "static inline int32_t cute_dsl_k_wrapper(k_Kernel_Module_t *module, k_Tensor_a_t *a, int32_t n, "
+        "float scale, uint8_t flag, k_Tensor_b_t *b, uint8_t pdl, cudaStream_t stream) {\n"
+    )
+    assert parse_signature(header, "k") == [("tensor", "a"), ("int32_t", "n"), ("float", "scale"),
+                                            ("uint8_t", "flag"), ("tensor", "b"), ("pdl", "pdl"),
+                                            ("stream", "stream")]
+    (tmp_path / "k.h").write_text(header)
+    table = kernel_table(str(tmp_path), ["k"])
+    assert '{"k", 2, 3, launch_k, load_k},' in table
+    assert ("cute_dsl_k_wrapper(&g_k, &a_a, static_cast<int32_t>(s[0]), static_cast<float>(s[1]), "
+            "static_cast<uint8_t>(s[2] != 0.0), &a_b, static_cast<uint8_t>(pdl), stream)") in table
+    with pytest.raises(ValueError, match="pdl and stream"):
+        parse_signature(header.replace(", uint8_t pdl, cudaStream_t stream", ""), "k")
+    strided = header.replace("int32_t dynamic_shapes[1];", "int32_t dynamic_shapes[2]; int64_t dynamic_strides[1];")
+    with pytest.raises(ValueError, match="only flat tensors"):
+        parse_signature(strided, "k")
