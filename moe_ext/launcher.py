@@ -72,6 +72,16 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device,
     return t.reshape(-1)
 
 
+INT32_MAX = 2 ** 31 - 1
+
+
+def _weight_view(t: torch.Tensor) -> torch.Tensor:
+    """The flat weight as the kernels take it. Their tensor extents are int32, so a weight of more than 2^31
+    bytes is handed over as its first 2^31 - 1 bytes: the kernels never read the extent and address each weight
+    row with a 64-bit offset from the base pointer (mainloop.load_weight_chunk)."""
+    return t if t.numel() <= INT32_MAX else t[:INT32_MAX]
+
+
 def route(token_selected_experts: torch.Tensor, num_local_experts: int, local_expert_offset: int,
           out: Routing, enable_pdl: bool = True) -> Routing:
     """Fill `out` (sized by allocate_routing or a workspace) with the routing maps, on the current stream."""
@@ -193,7 +203,7 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
            else dummy[f32])
     launch(f"moe_gemm1_{mode}_{problem.activation.kind}", [
         x_bf16, x_q, x_sf, pts,
-        _check("w1_weight", w.w1, u8, device, E * n1 * H // 2, 16),
+        _weight_view(_check("w1_weight", w.w1, u8, device, E * n1 * H // 2, 16)),
         _check("w1_weight_sf", w.w1_sf_bytes(), u8, device, swizzled_size(E, n1, H // block), 16),
         _check("w1_alpha", problem.w1_alpha, f32, device, E), *maps,
         buf["intermediate_bf16"], buf["intermediate_q"], buf["intermediate_sf"], fc2_scale,
@@ -205,7 +215,7 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     scales = _check("token_final_scales", problem.token_final_scales, f32, device, T * K)
     launch(f"moe_gemm2_{mode}", [
         buf["intermediate_bf16"], buf["intermediate_q"], buf["intermediate_sf"], buf["row_scale"],
-        _check("w2_weight", w.w2, u8, device, E * H * I // 2, 16),
+        _weight_view(_check("w2_weight", w.w2, u8, device, E * H * I // 2, 16)),
         _check("w2_weight_sf", w.w2_sf_bytes(), u8, device, swizzled_size(E, H, I // block), 16),
         _check("w2_alpha", problem.w2_alpha, f32, device, E), scales, *maps, buf["slot_output"],
     ], [H, I, problem.use_fused_finalize], enable_pdl, device)

@@ -116,3 +116,30 @@ def test_op_under_torch_compile_reduce_overhead():
     for _ in range(3):
         got = compiled(x, ids, scales)
     assert torch.equal(got, expected)
+
+
+def test_weights_over_2_gib_are_addressed_with_64_bit_offsets():
+    """DeepSeek-V3 with all 256 experts on one GPU: w1 holds 3.76e9 bytes, past int32 indexing. Tokens are
+    routed to the last experts, whose rows lie beyond 2^31 bytes."""
+    E, K, H, I = 256, 8, 7168, 2048
+    g = torch.Generator(device="cuda").manual_seed(0)
+    u8 = dict(dtype=torch.uint8, device="cuda", generator=g)
+    w1 = torch.randint(0, 256, (E, 2 * I, H // 2), **u8)
+    w2 = torch.randint(0, 256, (E, H, I // 2), **u8)
+    assert w1.numel() > 2 ** 31
+    # e4m3 scales between 2^-5 and 2^-3 keep the sums of random e2m1 codes in a moderate range.
+    sf1 = torch.randint(0x10, 0x20, (moe_ext.quant.swizzled_size(E, 2 * I, H // 16),), **u8)
+    sf2 = torch.randint(0x10, 0x20, (moe_ext.quant.swizzled_size(E, H, I // 16),), **u8)
+    ids = torch.tensor([list(range(248, 256)), list(range(8)), list(range(128, 136)), [255, 0, 200, 100, 50, 25, 12, 6]],
+                       dtype=torch.int32, device="cuda")
+    alpha = torch.ones(E, device="cuda")
+    kw = dict(x=(torch.randn(4, H, device="cuda", generator=g) * 0.1).bfloat16(), x_sf=None,
+              token_selected_experts=ids, token_final_scales=torch.full((4, K), 1.0 / K, device="cuda"),
+              w1_weight=w1, w1_weight_sf=sf1, w1_alpha=alpha, fc2_input_scale=None, w2_weight=w2, w2_weight_sf=sf2,
+              w2_alpha=alpha, num_experts=E, top_k=K, quant_mode="w4a16", use_fused_finalize=False)
+    problem = build_problem(**kw)
+    assert backend_for(problem) is HOPPER
+    expected = reference_moe(problem)
+    out = moe_ext.cute_dsl_fused_moe(**kw)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, expected) <= 5e-3, rel_l2(out, expected)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 
 from .fp4 import e2m1_to_f32, e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
 
@@ -83,10 +83,15 @@ def store_e2m1_pairs(s_tile, row, col0, packed, byte0, num_bytes, scale):
 
 def load_weight_chunk(s_b, tid, w, w_sf, expert, weight_row, rows_per_expert, k0, k_extent, block):
     """Thread `tid` decodes the K chunk [k0, k0 + tile_k) of one 4-bit weight row into s_b[tid, :]: e2m1 codes
-    times their scale (e4m3 per 16 for NVFP4, ue8m0 per 32 for MXFP4) read from the 128x4-swizzled layout."""
-    packed_row = (expert * rows_per_expert + weight_row) * (k_extent // 2)
+    times their scale (e4m3 per 16 for NVFP4, ue8m0 per 32 for MXFP4) read from the 128x4-swizzled layout.
+
+    The row is addressed with a 64-bit offset: a layer's weights can exceed 2^31 bytes (DeepSeek-V3 with all
+    256 experts on one GPU), which int32 tensor indexing cannot reach.
+    """
+    row_start = (Int64(expert) * Int64(rows_per_expert) + Int64(weight_row)) * Int64(k_extent // 2)
+    row = cute.make_tensor(w.iterator + row_start, cute.make_layout(k_extent // 2))
     for blk in range(TILE.tile_k // block):
         sf_at = swizzled_sf_offset(expert, weight_row, k0 // block + blk, rows_per_expert, k_extent // block)
         raw = Int32(w_sf[sf_at])
         scale = e4m3_to_f32(raw) if block == 16 else ue8m0_to_f32(raw)
-        store_e2m1_pairs(s_b, tid, blk * block, w, packed_row + k0 // 2 + blk * (block // 2), block // 2, scale)
+        store_e2m1_pairs(s_b, tid, blk * block, row, k0 // 2 + blk * (block // 2), block // 2, scale)
