@@ -28,6 +28,7 @@ from .prepare import (
     nvfp4_global_scale,
     prepare_moe_weights,
     quantize_activation,
+    slice_experts,
     split_localized_shards,
 )
 from .swizzle import mma_view, swizzle_offsets, swizzle_sf, swizzled_size, unswizzle_sf

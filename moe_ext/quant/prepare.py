@@ -12,7 +12,7 @@ import torch
 
 from .block import E2M1_MAX, E4M3_MAX, mxfp4_quantize, mxfp8_quantize, nvfp4_quantize, nvfp4_quantize_per_token
 from .interleave import interleave_up_gate
-from .swizzle import mma_view, swizzle_sf, unswizzle_sf
+from .swizzle import mma_view, sf_bytes, swizzle_sf, swizzled_size, unswizzle_sf
 
 NVFP4_GLOBAL_RANGE = E4M3_MAX * E2M1_MAX  # 2688: gs = 2688 / amax maps the tensor max onto the NVFP4 range
 PER_TOKEN_GLOBAL_SCALE_INV = 1.0 / NVFP4_GLOBAL_RANGE
@@ -39,6 +39,24 @@ class PreparedWeights:
     x_global_scale: float | None  # gs_x the activations must be quantized with (w4a4 per-tensor)
     per_token_activation: bool
     activation_type: int
+
+    def to(self, device) -> "PreparedWeights":
+        """A copy on `device`; the scale factors stay 6-D MMA views of their (moved) bytes."""
+        import dataclasses
+
+        block = 32 if self.quant_mode == "w4a8" else 16
+        moved = {}
+        for name in ("w1", "w2"):
+            packed = getattr(self, f"{name}_weight")
+            experts, rows, half_cols = packed.shape
+            view = getattr(self, f"{name}_weight_sf")
+            flat = sf_bytes(view, view.numel()).to(device)
+            moved[f"{name}_weight"] = packed.to(device)
+            moved[f"{name}_weight_sf"] = mma_view(flat, experts, rows, 2 * half_cols // block)
+            moved[f"{name}_alpha"] = getattr(self, f"{name}_alpha").to(device)
+        if self.fc2_input_scale is not None:
+            moved["fc2_input_scale"] = self.fc2_input_scale.to(device)
+        return dataclasses.replace(self, **moved)
 
     def kwargs(self) -> dict:
         return dict(w1_weight=self.w1_weight, w1_weight_sf=self.w1_weight_sf, w1_alpha=self.w1_alpha,
@@ -152,6 +170,29 @@ def quantize_activation(x: torch.Tensor, quant_mode: str, *, global_scale: float
         return QuantizedActivation(q.data.contiguous(), q.scale.contiguous(), q.row_scale.contiguous())
     q = nvfp4_quantize(x, global_scale)
     return QuantizedActivation(q.data.contiguous(), q.scale.contiguous())
+
+
+def slice_experts(prepared: PreparedWeights, start: int, count: int) -> PreparedWeights:
+    """The weights of experts [start, start + count): what one expert-parallel rank holds. Each expert's
+    swizzled scales are a contiguous block, so the slice is a byte range of the scale buffer."""
+    import dataclasses
+
+    num_experts = prepared.w1_weight.shape[0]
+    if not (0 <= start and count >= 1 and start + count <= num_experts):
+        raise ValueError(f"experts [{start}, {start + count}) are not within the layer's {num_experts} experts")
+    block = 32 if prepared.quant_mode == "w4a8" else 16
+    sliced = {}
+    for name in ("w1", "w2"):
+        packed = getattr(prepared, f"{name}_weight")
+        _, rows, half_cols = packed.shape
+        sf_cols = 2 * half_cols // block
+        per_expert = swizzled_size(1, rows, sf_cols)
+        flat = sf_bytes(getattr(prepared, f"{name}_weight_sf"), num_experts * per_expert)
+        sliced[f"{name}_weight"] = packed[start:start + count].contiguous()
+        sliced[f"{name}_weight_sf"] = mma_view(flat[start * per_expert:(start + count) * per_expert].clone(), count,
+                                               rows, sf_cols)
+        sliced[f"{name}_alpha"] = getattr(prepared, f"{name}_alpha")[start:start + count].contiguous()
+    return dataclasses.replace(prepared, **sliced)
 
 
 def split_localized_shards(prepared: PreparedWeights) -> list[dict]:
