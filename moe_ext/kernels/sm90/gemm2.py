@@ -16,8 +16,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 
 from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
-from .mainloop import (TILE, load_weight_chunk, make_mma, mma_chunk, shared_tiles,
-                       store_e2m1_pairs)
+from .mainloop import (TILE, load_weight_chunk, make_mma, mma_chunk, shared_tiles, store_activation_chunk,
+                       zero_activation_chunk)
 
 MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 
@@ -49,24 +49,21 @@ def make_kernel(mode: str):
             tiled_mma, t_sa, t_sb, t_sc, r_a, r_b, acc = make_mma(tid, s_a, s_b, s_c)
             for k0 in cutlass.range(0, inter, TILE.tile_k):
                 ka = k0 + a_half * half_k
+                col0 = a_half * half_k
                 if row < limit:
                     if cutlass.const_expr(a_format == "bf16"):
-                        for i in cutlass.range_constexpr(half_k):
-                            s_a[a_row, a_half * half_k + i] = a_bf16[row * inter + ka + i]
+                        store_activation_chunk(s_a, a_row, col0, a_format, a_bf16, row * inter + ka, half_k, None)
                     elif cutlass.const_expr(a_format == "nvfp4"):
                         for blk in cutlass.range_constexpr(half_k // 16):
                             scale = e4m3_to_f32(Int32(a_sf[swizzled_sf_offset(0, row, ka // 16 + blk, rows,
                                                                               inter // 16)]))
-                            store_e2m1_pairs(s_a, a_row, a_half * half_k + blk * 16, a_q,
-                                             row * (inter // 2) + ka // 2 + blk * 8, 8, scale)
+                            store_activation_chunk(s_a, a_row, col0 + blk * 16, a_format, a_q,
+                                                   row * (inter // 2) + ka // 2 + blk * 8, 16, scale)
                     else:
                         scale = ue8m0_to_f32(Int32(a_sf[swizzled_sf_offset(0, row, ka // 32, rows, inter // 32)]))
-                        for i in cutlass.range_constexpr(half_k):
-                            value = e4m3_to_f32(Int32(a_q[row * inter + ka + i])) * scale
-                            s_a[a_row, a_half * half_k + i] = value.to(BFloat16)
+                        store_activation_chunk(s_a, a_row, col0, a_format, a_q, row * inter + ka, half_k, scale)
                 else:
-                    for i in cutlass.range_constexpr(half_k):
-                        s_a[a_row, a_half * half_k + i] = BFloat16(0.0)
+                    zero_activation_chunk(s_a, a_row, col0, half_k)
                 load_weight_chunk(s_b, tid, w2, w2_sf, expert, b_row, hidden, k0, inter, b_block)
                 cute.arch.sync_threads()
                 mma_chunk(tiled_mma, t_sa, t_sb, r_a, r_b, acc)

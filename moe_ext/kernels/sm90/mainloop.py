@@ -95,3 +95,22 @@ def load_weight_chunk(s_b, tid, w, w_sf, expert, weight_row, rows_per_expert, k0
         raw = Int32(w_sf[sf_at])
         scale = e4m3_to_f32(raw) if block == 16 else ue8m0_to_f32(raw)
         store_e2m1_pairs(s_b, tid, blk * block, row, k0 // 2 + blk * (block // 2), block // 2, scale)
+
+
+def store_activation_chunk(s_a, row, col0, a_format, values, index0, count, scale):
+    """`count` activation values starting at values[index0] into s_a[row, col0:] as bf16: copied (bf16), e4m3
+    bytes times `scale` (mxfp8), or packed e2m1 pairs times `scale` (one NVFP4 block of 16 per call)."""
+    if a_format == "bf16":
+        for i in range(count):
+            s_a[row, col0 + i] = values[index0 + i]
+    elif a_format == "mxfp8":
+        for i in range(count):
+            s_a[row, col0 + i] = (e4m3_to_f32(Int32(values[index0 + i])) * scale).to(BFloat16)
+    else:
+        store_e2m1_pairs(s_a, row, col0, values, index0, count // 2, scale)
+
+
+def zero_activation_chunk(s_a, row, col0, count):
+    """Rows past an expert's last token read as zeros."""
+    for i in range(count):
+        s_a[row, col0 + i] = BFloat16(0.0)
