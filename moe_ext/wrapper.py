@@ -111,6 +111,10 @@ class CuteDslMoEWrapper:
         self.workspace = self._allocate(token_bucket(num_tokens))
         return self.workspace
 
+    def get_valid_tactics(self) -> list[tuple]:
+        """Tactics `run(..., tactic=)` accepts for this wrapper: both backends have one, the routing tile."""
+        return [(self.routing_tile,)]
+
     def run(self, x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
             fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, tactic=None, *, per_token_scale=None):
         problem = build_problem(
