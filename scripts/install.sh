@@ -9,8 +9,8 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 # Offline machines (the H200) already have these; only fetch what is missing.
-if ! "$PY" -c "import setuptools, pybind11, pytest, hypothesis, numpy, safetensors" 2>/dev/null; then
-  "$PY" -m pip install -q "setuptools>=64" "pybind11>=2.12" pytest hypothesis numpy safetensors
+if ! "$PY" -c "import setuptools, pybind11, pytest, hypothesis, numpy, safetensors, transformers" 2>/dev/null; then
+  "$PY" -m pip install -q "setuptools>=64" "pybind11>=2.12" pytest hypothesis numpy safetensors "transformers>=5"
 fi
 # CuTe-DSL compiles the sm_90a kernels at install time (no GPU needed). Only the CUDA 13 libraries are taken
 # (the top package would also pull the CUDA 12 ones). Skipped when MOE_EXT_KERNEL_DIR points at kernels exported

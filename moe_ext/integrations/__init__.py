@@ -1,0 +1,1 @@
+"""Adapters that put the fused MoE into existing model code."""
