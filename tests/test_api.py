@@ -97,3 +97,20 @@ def test_zero_tokens():
     case = make_case("w4a16", num_tokens=0)
     out = moe_ext.cute_dsl_fused_moe(**case.kwargs())
     assert out.shape == (0, 128)
+
+
+def test_examples_serving_loop_and_compiled_layer_run_on_cpu():
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**__import__("os").environ, "PYTHONPATH": str(root)}
+    loop = subprocess.run([sys.executable, str(root / "examples" / "serving_loop.py"), "--batch", "4", "--steps", "2",
+                           "--experts", "8", "--hidden", "256", "--intermediate", "128"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert loop.returncode == 0, loop.stderr[-2000:]
+    assert "tokens/s" in loop.stdout
+    layer = subprocess.run([sys.executable, str(root / "examples" / "compile_layer.py"), "--tokens", "8"],
+                           capture_output=True, text=True, timeout=600, env=env)
+    assert layer.returncode == 0, layer.stderr[-2000:]
+    assert "graph breaks 0" in layer.stdout
