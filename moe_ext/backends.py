@@ -44,8 +44,8 @@ REFERENCE = ReferenceBackend()
 
 @dataclass(frozen=True)
 class HopperBackend:
-    """CuTe-DSL kernels for sm_90a: routing, GEMM1 (+activation), GEMM2, finalize. Its only tactic is the
-    kernels' routing tile (64,)."""
+    """CuTe-DSL kernels for sm_90a: routing, GEMM1 (+ activation + FC2-input quantization), the per-token FC2
+    quantizer (w4a4 with per_token_scale), GEMM2, finalize. Its only tactic is the kernels' routing tile (64,)."""
 
     name: str = "sm90"
 
