@@ -21,6 +21,7 @@ from collections import defaultdict
 import torch
 
 from .activation import ActivationType
+from .quant.block import sf_block
 from .quant.prepare import PreparedWeights, prepare_moe_weights
 from .quant.swizzle import mma_view, sf_bytes
 
@@ -152,7 +153,7 @@ def load_converted(path: str, device="cpu") -> dict[str, PreparedWeights]:
             raise ConversionError(f"{path}: not a moe_ext expert file (format {meta.get('format')!r})")
         quant_mode = meta["quant_mode"]
         activation_type = int(ActivationType.Relu2 if meta["activation"] == "relu2" else ActivationType.Swiglu)
-        block = 32 if quant_mode == "w4a8" else 16
+        block = sf_block(quant_mode)
         keys = set(f.keys())
         out = {}
         for layer, (experts, hidden, inter) in json.loads(meta["layers"]).items():

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .activation import LOG2E
+from .quant.block import sf_block
 from .quant.swizzle import swizzled_size
 from .routing import Routing, max_num_tiles
 
@@ -141,7 +142,7 @@ class KernelBuffers:
     @staticmethod
     def sizes(quant_mode: str, rows: int, inter: int, slots: int, hidden: int) -> dict:
         """Element counts of each buffer (0 where the mode does not use it)."""
-        block = 32 if quant_mode == "w4a8" else 16
+        block = sf_block(quant_mode)
         quantized = quant_mode != "w4a16"
         return dict(
             intermediate_bf16=rows * inter if quant_mode in ("w4a16", "w4a4") else 0,
@@ -181,7 +182,7 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     if H % 128 or n1 % 128 or I % 64:
         raise ValueError(f"the sm_90a kernels need H % 128 == 0, N1 % 128 == 0 and I % 64 == 0 (H={H}, I={I})")
     mode = problem.quant_mode + ("_pt" if problem.per_token_scale is not None else "")
-    block = 32 if mode == "w4a8" else 16
+    block = sf_block(problem.quant_mode)
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
     dummy = _dummies(device)
     route(problem.token_selected_experts, E, problem.local_expert_offset, routing, enable_pdl)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .activation import Activation
+from .quant.block import sf_block
 from .quant.swizzle import check_sf_form, sf_bytes, swizzled_size
 
 QUANT_MODES = ("w4a4", "w4a8", "w4a16")
@@ -27,11 +28,6 @@ def canonical_quant_mode(quant_mode) -> str:
     if quant_mode not in QUANT_MODES:
         raise ValueError(f"quant_mode must be one of {QUANT_MODES} (or the deprecated 'nvfp4'), got {quant_mode!r}")
     return quant_mode
-
-
-def sf_block(quant_mode: str) -> int:
-    """Scale-factor block along K: 32 for the MX formats of w4a8, 16 for NVFP4."""
-    return 32 if quant_mode == "w4a8" else 16
 
 
 @dataclass

@@ -18,6 +18,7 @@ from .quant.block import (
     nvfp4_dequantize,
     nvfp4_quantize_fc2_input,
     nvfp4_quantize_per_token,
+    sf_block,
 )
 from .quant.interleave import split_up_gate
 from .quant.swizzle import swizzle_offsets, swizzled_size
@@ -35,7 +36,7 @@ def dequantize_input(p: MoEProblem) -> torch.Tensor:
 def dequantize_expert(packed: torch.Tensor, sf_flat: torch.Tensor, expert: int, quant_mode: str) -> torch.Tensor:
     """One expert's weight [R, C] decoded to fp32, its scales read from the swizzled buffer (semantics §1.4)."""
     num_experts, rows, half_cols = packed.shape
-    block = 32 if quant_mode == "w4a8" else 16
+    block = sf_block(quant_mode)
     sf_cols = 2 * half_cols // block
     per_expert = swizzled_size(1, rows, sf_cols)
     scales = sf_flat[expert * per_expert + swizzle_offsets(1, rows, sf_cols, packed.device)[0]]

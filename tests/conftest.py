@@ -59,17 +59,12 @@ class Case:
         return kw
 
     def to(self, device):
-        """The same case on another device (scale-factor views travel as their flat bytes)."""
+        """The same case on another device."""
         def move(obj):
-            changes = {}
-            for f in dataclasses.fields(obj):
-                t = getattr(obj, f.name)
-                if isinstance(t, torch.Tensor):
-                    flat = torch.as_strided(t, (t.numel(),), (1,), t.storage_offset()) if t.dim() == 6 else t
-                    changes[f.name] = flat.to(device)
-            return dataclasses.replace(obj, **changes)
+            return dataclasses.replace(obj, **{f.name: getattr(obj, f.name).to(device) for f in dataclasses.fields(obj)
+                                               if isinstance(getattr(obj, f.name), torch.Tensor)})
 
-        return dataclasses.replace(move(self), prepared=move(self.prepared), quantized=move(self.quantized))
+        return dataclasses.replace(move(self), prepared=self.prepared.to(device), quantized=move(self.quantized))
 
 
 def make_case(mode="w4a4", act="swiglu", *, num_tokens=9, top_k=2, num_experts=8, hidden=128, inter=128,

@@ -6,7 +6,6 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import moe_ext  # noqa: E402
 from moe_ext.integrations.transformers import FusedMoEBlock, swap_moe_blocks  # noqa: E402
 from moe_ext.quant.interleave import deinterleave_up_gate  # noqa: E402
 from moe_ext.reference import dequantize_expert  # noqa: E402

@@ -30,6 +30,11 @@ NVFP4_BLOCK = 16
 MX_BLOCK = 32
 
 
+def sf_block(quant_mode: str) -> int:
+    """Scale-factor block along K of a quant mode's weights: 32 for the MX formats of w4a8, 16 for NVFP4."""
+    return MX_BLOCK if quant_mode == "w4a8" else NVFP4_BLOCK
+
+
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     if x.shape[-1] % block:
         raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the scale block {block}")

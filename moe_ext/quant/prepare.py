@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .block import E2M1_MAX, E4M3_MAX, mxfp4_quantize, mxfp8_quantize, nvfp4_quantize, nvfp4_quantize_per_token
+from .block import (E2M1_MAX, E4M3_MAX, mxfp4_quantize, mxfp8_quantize, nvfp4_quantize, nvfp4_quantize_per_token,
+                    sf_block)
 from .interleave import interleave_up_gate
 from .swizzle import mma_view, sf_bytes, swizzle_sf, swizzled_size, unswizzle_sf
 
@@ -44,7 +45,7 @@ class PreparedWeights:
         """A copy on `device`; the scale factors stay 6-D MMA views of their (moved) bytes."""
         import dataclasses
 
-        block = 32 if self.quant_mode == "w4a8" else 16
+        block = sf_block(self.quant_mode)
         moved = {}
         for name in ("w1", "w2"):
             packed = getattr(self, f"{name}_weight")
@@ -69,12 +70,10 @@ def _quantize_weight(w: torch.Tensor, quant_mode: str):
     num_experts, rows, cols = w.shape
     if quant_mode == "w4a8":
         q, gs = mxfp4_quantize(w), None
-        block = 32
     else:
         gs = nvfp4_global_scale(w, dims=(1, 2))
         q = nvfp4_quantize(w, gs)
-        block = 16
-    view = mma_view(swizzle_sf(q.scale), num_experts, rows, cols // block)
+    view = mma_view(swizzle_sf(q.scale), num_experts, rows, cols // sf_block(quant_mode))
     return q.data, view, gs
 
 
@@ -180,7 +179,7 @@ def slice_experts(prepared: PreparedWeights, start: int, count: int) -> Prepared
     num_experts = prepared.w1_weight.shape[0]
     if not (0 <= start and count >= 1 and start + count <= num_experts):
         raise ValueError(f"experts [{start}, {start + count}) are not within the layer's {num_experts} experts")
-    block = 32 if prepared.quant_mode == "w4a8" else 16
+    block = sf_block(prepared.quant_mode)
     sliced = {}
     for name in ("w1", "w2"):
         packed = getattr(prepared, f"{name}_weight")
@@ -202,7 +201,7 @@ def split_localized_shards(prepared: PreparedWeights) -> list[dict]:
     FC2: halves of the output (hidden) rows, full reduction dim. Scales are split unswizzled and re-swizzled.
     Allocate the shards inside each domain's memory pool (`torch.cuda.use_mem_pool`) to place them there.
     """
-    block = 32 if prepared.quant_mode == "w4a8" else 16
+    block = sf_block(prepared.quant_mode)
     shards: list[dict] = [{}, {}]
     for name in ("w1", "w2"):
         packed = getattr(prepared, f"{name}_weight")
