@@ -6,6 +6,7 @@ path.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,7 @@ class ReferenceBackend:
         (tile,) = tactic
         routing = compute_routing(problem.token_selected_experts, problem.num_local_experts,
                                   problem.local_expert_offset, tile)
-        if workspace is not None:
+        if workspace is not None and tile in workspace.tile_sizes:
             routing = workspace.store_routing(routing)
         return reference_moe(problem, routing, out)
 
@@ -45,24 +46,39 @@ REFERENCE = ReferenceBackend()
 @dataclass(frozen=True)
 class HopperBackend:
     """CuTe-DSL kernels for sm_90a: routing, GEMM1 (+ activation + FC2-input quantization), the per-token FC2
-    quantizer (w4a4 with per_token_scale), GEMM2, finalize. Its only tactic is the kernels' routing tile (64,)."""
+    quantizer (w4a4 with per_token_scale), GEMM2, finalize. A tactic is (routing tile,): tokens per CTA of the
+    streaming GEMMs, one of the tiles the kernels were compiled for."""
 
     name: str = "sm90"
 
     def supports(self, problem: MoEProblem) -> bool:
         from . import launcher
 
+        if not (problem.shards is None and problem.num_tokens > 0 and problem.num_local_experts <= 2048
+                and launcher.hopper_device(problem.device) and self._tiles(problem)):
+            return False
+        if problem.hidden_size % 128 or problem.intermediate_size % 128:
+            warnings.warn(f"the sm_90a kernels need H % 128 == 0 and I % 128 == 0 (H={problem.hidden_size}, "
+                          f"I={problem.intermediate_size}); this layer runs on the PyTorch reference path",
+                          stacklevel=3)
+            return False
+        return True
+
+    @staticmethod
+    def _tiles(problem: MoEProblem) -> tuple:
+        from . import launcher
+
         mode = problem.quant_mode + ("_pt" if problem.per_token_scale is not None else "")
-        return (problem.shards is None and problem.num_tokens > 0 and problem.num_local_experts <= 2048
-                and launcher.hopper_device(problem.device) and launcher.has_kernel(f"moe_gemm2_{mode}"))
+        return launcher.token_tiles(mode, problem.activation.kind)
 
     def tactics(self, problem: MoEProblem) -> list[Tactic]:
-        from .launcher import TILE_M
-
-        return [(TILE_M,)]
+        return [(t,) for t in self._tiles(problem)]
 
     def default_tactic(self, problem: MoEProblem) -> Tactic:
-        return self.tactics(problem)[0]
+        from . import launcher
+
+        return (launcher.default_token_tile(problem.num_tokens, problem.top_k, problem.num_local_experts,
+                                            self._tiles(problem)),)
 
     def run(self, problem: MoEProblem, tactic: Tactic, out: torch.Tensor,
             workspace: MoEWorkspace | None = None) -> torch.Tensor:
@@ -70,8 +86,8 @@ class HopperBackend:
 
         (tile,) = tactic
         T, K = problem.num_tokens, problem.top_k
-        if workspace is not None and workspace.tile_size == tile:
-            routing = workspace.routing_buffers(T)
+        if workspace is not None and tile in workspace.tile_sizes:
+            routing = workspace.routing_buffers(T, tile)
             buffers = workspace.kernel_buffers.view(problem.quant_mode, routing.permuted_to_expanded.numel(),
                                                     problem.intermediate_size, T * K, problem.hidden_size)
         else:

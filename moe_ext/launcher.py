@@ -79,7 +79,7 @@ INT32_MAX = 2 ** 31 - 1
 def _weight_view(t: torch.Tensor) -> torch.Tensor:
     """The flat weight as the kernels take it. Their tensor extents are int32, so a weight of more than 2^31
     bytes is handed over as its first 2^31 - 1 bytes: the kernels never read the extent and address each weight
-    row with a 64-bit offset from the base pointer (mainloop.load_weight_chunk)."""
+    row with a 64-bit offset from the base pointer (stream.weight_rows)."""
     return t if t.numel() <= INT32_MAX else t[:INT32_MAX]
 
 
@@ -111,7 +111,22 @@ def route(token_selected_experts: torch.Tensor, num_local_experts: int, local_ex
     return out
 
 ACTIVATION_KIND = {"swiglu": 0, "situ": 1, "geglu_tanh": 2, "relu2": 3}
-TILE_M = 64  # moe_ext/kernels/sm90/mainloop.py TileConfig.tile_m: the routing tile of the Hopper kernels
+# Routing tiles (tokens per CTA) the GEMM kernels are compiled for: moe_ext/kernels/sm90/stream.py TOKEN_TILES.
+TOKEN_TILES = (8, 64)
+
+
+def token_tiles(mode: str, kind: str) -> tuple:
+    """The routing tiles with both GEMM kernels linked for this mode (with `_pt`) and activation kind."""
+    return tuple(t for t in TOKEN_TILES
+                 if has_kernel(f"moe_gemm1_{mode}_{kind}_t{t}") and has_kernel(f"moe_gemm2_{mode}_t{t}"))
+
+
+def default_token_tile(num_tokens: int, top_k: int, num_local_experts: int, tiles: tuple) -> int:
+    """The smallest tile while an expert gets about 16 rows or fewer on average (decode: the weights are streamed
+    once per tile, and small tiles keep padding rows out of the MMAs), else the largest (prefill: fewer tiles
+    re-read each expert's weights)."""
+    per_expert = num_tokens * top_k / max(1, num_local_experts)
+    return min(tiles) if per_expert <= 16 else max(tiles)
 
 
 def activation_params(activation) -> tuple[float, float, float, float]:
@@ -179,8 +194,8 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     T, K, H, I, E = (problem.num_tokens, problem.top_k, problem.hidden_size, problem.intermediate_size,
                      problem.num_local_experts)
     n1 = problem.n1
-    if H % 128 or n1 % 128 or I % 64:
-        raise ValueError(f"the sm_90a kernels need H % 128 == 0, N1 % 128 == 0 and I % 64 == 0 (H={H}, I={I})")
+    if H % 128 or I % 128:
+        raise ValueError(f"the sm_90a kernels need H % 128 == 0 and I % 128 == 0 (H={H}, I={I})")
     mode = problem.quant_mode + ("_pt" if problem.per_token_scale is not None else "")
     block = sf_block(problem.quant_mode)
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
@@ -202,7 +217,8 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
         x_sf = _check("x_sf", problem.x_sf, u8, device, T * H // block)
     pts = (_check("per_token_scale", problem.per_token_scale, f32, device, T) if problem.per_token_scale is not None
            else dummy[f32])
-    launch(f"moe_gemm1_{mode}_{problem.activation.kind}", [
+    tile = routing.tile_size
+    launch(f"moe_gemm1_{mode}_{problem.activation.kind}_t{tile}", [
         x_bf16, x_q, x_sf, pts,
         _weight_view(_check("w1_weight", w.w1, u8, device, E * n1 * H // 2, 16)),
         _check("w1_weight_sf", w.w1_sf_bytes(), u8, device, swizzled_size(E, n1, H // block), 16),
@@ -214,7 +230,7 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
                                            buf["intermediate_q"], buf["intermediate_sf"], buf["row_scale"]],
                [I], enable_pdl, device)
     scales = _check("token_final_scales", problem.token_final_scales, f32, device, T * K)
-    launch(f"moe_gemm2_{mode}", [
+    launch(f"moe_gemm2_{mode}_t{tile}", [
         buf["intermediate_bf16"], buf["intermediate_q"], buf["intermediate_sf"], buf["row_scale"],
         _weight_view(_check("w2_weight", w.w2, u8, device, E * H * I // 2, 16)),
         _check("w2_weight_sf", w.w2_sf_bytes(), u8, device, swizzled_size(E, H, I // block), 16),

@@ -18,7 +18,7 @@ class MoEWorkspace:
     max_num_tokens: int
     top_k: int
     num_local_experts: int
-    tile_size: int
+    tile_sizes: tuple  # routing tiles the buffers can hold (the Hopper kernels pick one per forward)
     # routing maps (semantics §5.1)
     local_expert: torch.Tensor
     expert_counts: torch.Tensor
@@ -34,13 +34,14 @@ class MoEWorkspace:
 
     @classmethod
     def allocate(cls, *, max_num_tokens: int, top_k: int, num_local_experts: int, hidden_size: int,
-                 intermediate_size: int, quant_mode: str, tile_size: int,
+                 intermediate_size: int, quant_mode: str, tile_sizes: tuple,
                  output_dtype: torch.dtype, device) -> "MoEWorkspace":
-        tiles = max(1, max_num_tiles(max_num_tokens, top_k, num_local_experts, tile_size))
-        rows = tiles * tile_size
+        tile_sizes = tuple(tile_sizes)
+        tiles = max(1, max(max_num_tiles(max_num_tokens, top_k, num_local_experts, t) for t in tile_sizes))
+        rows = max(max(1, max_num_tiles(max_num_tokens, top_k, num_local_experts, t)) * t for t in tile_sizes)
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
-            max_num_tokens=max_num_tokens, top_k=top_k, num_local_experts=num_local_experts, tile_size=tile_size,
+            max_num_tokens=max_num_tokens, top_k=top_k, num_local_experts=num_local_experts, tile_sizes=tile_sizes,
             local_expert=torch.empty(max_num_tokens, top_k, **i32),
             expert_counts=torch.empty(num_local_experts, **i32),
             expert_offsets=torch.empty(num_local_experts + 1, **i32),
@@ -54,24 +55,27 @@ class MoEWorkspace:
             output=torch.empty(max_num_tokens, hidden_size, dtype=output_dtype, device=device),
         )
 
-    def routing_buffers(self, num_tokens: int) -> Routing:
-        """Views of the routing buffers sized for num_tokens (what the device routing kernel fills)."""
-        tiles = max_num_tiles(num_tokens, self.top_k, self.num_local_experts, self.tile_size)
+    def routing_buffers(self, num_tokens: int, tile_size: int) -> Routing:
+        """Views of the routing buffers sized for num_tokens and the routing tile (what the device routing kernel
+        fills)."""
+        if tile_size not in self.tile_sizes:
+            raise ValueError(f"this workspace holds routing tiles {self.tile_sizes}, not {tile_size}")
+        tiles = max_num_tiles(num_tokens, self.top_k, self.num_local_experts, tile_size)
         return Routing(
             local_expert=self.local_expert[:num_tokens],
             expert_counts=self.expert_counts,
             expert_offsets=self.expert_offsets,
             expanded_to_permuted=self.expanded_to_permuted[:num_tokens],
-            permuted_to_expanded=self.permuted_to_expanded[:tiles * self.tile_size],
+            permuted_to_expanded=self.permuted_to_expanded[:tiles * tile_size],
             tile_to_expert=self.tile_to_expert[:tiles],
             tile_to_mn_limit=self.tile_to_mn_limit[:tiles],
             num_live_tiles=self.num_live_tiles,
-            tile_size=self.tile_size,
+            tile_size=tile_size,
         )
 
     def store_routing(self, routing: Routing) -> Routing:
         """Copy routing maps into the workspace; returns the same maps as views of the workspace buffers."""
-        views = self.routing_buffers(routing.local_expert.shape[0])
+        views = self.routing_buffers(routing.local_expert.shape[0], routing.tile_size)
         for name in ("local_expert", "expert_counts", "expert_offsets", "expanded_to_permuted",
                      "permuted_to_expanded", "tile_to_expert", "tile_to_mn_limit", "num_live_tiles"):
             getattr(views, name).copy_(getattr(routing, name))

@@ -71,11 +71,12 @@ class CuteDslMoEWrapper:
         self.num_local_experts = num_experts if num_local_experts is None else num_local_experts
         self.local_expert_offset = local_expert_offset
         self.tile_size = tile_size
-        # The Hopper kernels have a fixed routing tile; the workspace's routing maps must use it.
+        # The Hopper kernels pick their routing tile per forward; the workspace holds maps for each of them.
         from . import launcher
 
-        self.routing_tile = (launcher.TILE_M if launcher.has_kernel(f"moe_gemm2_{self.quant_mode}")
-                             and launcher.hopper_device(torch.device(device)) else tile_size)
+        hopper_tiles = launcher.token_tiles(self.quant_mode, self.activation.kind)
+        self.routing_tiles = (hopper_tiles if hopper_tiles and launcher.hopper_device(torch.device(device))
+                              else (tile_size,))
         self.sf_vec_size = sf_vec_size  # kept for FlashInfer compatibility; the quant mode fixes the block
         self.output_dtype = output_dtype
         self.device = torch.device(device)
@@ -97,7 +98,7 @@ class CuteDslMoEWrapper:
         return MoEWorkspace.allocate(
             max_num_tokens=capacity, top_k=self.top_k, num_local_experts=self.num_local_experts,
             hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, quant_mode=self.quant_mode,
-            tile_size=self.routing_tile, output_dtype=self.output_dtype,
+            tile_sizes=self.routing_tiles, output_dtype=self.output_dtype,
             device=self.device)
 
     def _workspace_for(self, num_tokens: int) -> MoEWorkspace:
@@ -112,8 +113,8 @@ class CuteDslMoEWrapper:
         return self.workspace
 
     def get_valid_tactics(self) -> list[tuple]:
-        """Tactics `run(..., tactic=)` accepts for this wrapper: both backends have one, the routing tile."""
-        return [(self.routing_tile,)]
+        """Tactics `run(..., tactic=)` accepts for this wrapper: (routing tile,) for each tile it can run."""
+        return [(t,) for t in self.routing_tiles]
 
     def run(self, x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
             fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, tactic=None, *, per_token_scale=None):
@@ -124,7 +125,7 @@ class CuteDslMoEWrapper:
             self.activation.activation_type, self.activation.swiglu_alpha, self.activation.swiglu_beta,
             self.activation.swiglu_limit, self.activation.situ_beta, self.activation.situ_linear_beta,
             quant_mode=self.quant_mode, per_token_scale=per_token_scale)
-        problem.tile_size = self.routing_tile
+        problem.tile_size = self.tile_size
         problem.enable_pdl = self.enable_pdl
         if (problem.hidden_size, problem.intermediate_size) != (self.hidden_size, self.intermediate_size):
             raise ValueError(f"weights give (hidden_size, intermediate_size) = ({problem.hidden_size}, "

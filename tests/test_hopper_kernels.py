@@ -18,7 +18,7 @@ from moe_ext.reference import reference_moe
 pytestmark = [
     pytest.mark.gpu, gpu,
     pytest.mark.skipif(not (torch.cuda.is_available() and launcher.hopper_device(torch.device("cuda"))
-                            and launcher.has_kernel("moe_gemm2_w4a16")), reason="needs sm_90 and the kernels"),
+                            and launcher.has_kernel("moe_gemm2_w4a16_t8")), reason="needs sm_90 and the kernels"),
 ]
 
 RUN_ARGS = ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_weight", "w1_weight_sf", "w1_alpha",
@@ -37,14 +37,18 @@ def check_against_reference(case, fused, **over):
     problem = build_problem(**kw)
     assert backend_for(problem) is HOPPER
     expected = reference_moe(problem)
-    poisoned = torch.full_like(expected, float("nan"))
-    out = moe_ext.cute_dsl_fused_moe(**kw, moe_output=poisoned)
-    assert torch.isfinite(out).all(), "every output element must be written"
-    assert rel_l2(out, expected) <= TOLERANCE[case.mode], rel_l2(out, expected)
-    if not fused:
-        again = moe_ext.cute_dsl_fused_moe(**kw)
-        assert torch.equal(again, out), "deterministic finalize must be bitwise reproducible"
-    return out
+    outs = []
+    for tactic in HOPPER.tactics(problem):  # every routing tile the kernels are compiled for
+        poisoned = torch.full_like(expected, float("nan"))
+        out = moe_ext.cute_dsl_fused_moe(**kw, moe_output=poisoned, tactic=tactic)
+        assert torch.isfinite(out).all(), f"every output element must be written (tile {tactic})"
+        assert rel_l2(out, expected) <= TOLERANCE[case.mode], (tactic, rel_l2(out, expected))
+        if not fused:
+            again = moe_ext.cute_dsl_fused_moe(**kw, tactic=tactic)
+            assert torch.equal(again, out), "deterministic finalize must be bitwise reproducible"
+        outs.append(out)
+    assert len(outs) == len(launcher.TOKEN_TILES)
+    return outs[0]
 
 
 ACTS = ["swiglu", "swiglu_oai", "situ", "situ_linear", "geglu_tanh", "relu2"]
@@ -70,6 +74,21 @@ def test_kernels_shapes_and_expert_parallelism(mode, shape, ep_rank):
                      rank=rank, seed=ep * 10 + rank, weight_scale=0.02).to("cuda")
     for fused in (True, False):
         check_against_reference(case, fused)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_pt", "w4a8"])
+def test_kernels_large_token_count(mode):
+    """T = 4096 with top-k 8 over 64 experts: every tile full, many tiles per expert."""
+    case = make_case(mode, "swiglu", num_tokens=4096, top_k=8, num_experts=64, hidden=512, inter=256, seed=5,
+                     invalid_fraction=0.02).to("cuda")
+    check_against_reference(case, fused=False)
+
+
+def test_unsupported_shape_falls_back_to_the_reference_with_a_warning():
+    case = make_case("w4a16", num_tokens=3, hidden=256, inter=64).to("cuda")
+    problem = build_problem(**case.kwargs())
+    with pytest.warns(UserWarning, match="I % 128"):
+        assert backend_for(problem) is not HOPPER
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a8"])

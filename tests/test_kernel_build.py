@@ -12,10 +12,12 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
 def test_every_shipped_kernel_compiles_for_sm90a(tmp_path):
     subprocess.run([sys.executable, "-m", "moe_ext.kernels.sm90.build", str(tmp_path)], check=True)
     names = (tmp_path / "kernels.txt").read_text().split()
-    gemm1 = [f"moe_gemm1_{mode}_{kind}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
-             for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
-    gemm2 = [f"moe_gemm2_{mode}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")]
-    assert names == ["moe_routing", *gemm1, *gemm2, "moe_fc2_quant_per_token", "moe_finalize"]
+    gemms = []
+    for tokens in (8, 64):
+        gemms += [f"moe_gemm1_{mode}_{kind}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
+                  for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
+        gemms += [f"moe_gemm2_{mode}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")]
+    assert names == ["moe_routing", *gemms, "moe_fc2_quant_per_token", "moe_finalize"]
     table = (tmp_path / "kernel_table.inc").read_text()
     assert all(f'{{"{name}",' in table for name in names)
     for name in names:
@@ -31,8 +33,15 @@ def test_installed_launcher_links_the_kernels():
     from moe_ext import _C
 
     linked = set(_C.kernels())
-    assert {"moe_routing", "moe_gemm1_w4a4_swiglu", "moe_gemm2_w4a8", "moe_fc2_quant_per_token",
+    assert {"moe_routing", "moe_gemm1_w4a4_swiglu_t8", "moe_gemm2_w4a8_t64", "moe_fc2_quant_per_token",
             "moe_finalize"} <= linked
+
+
+def test_launcher_knows_the_compiled_token_tiles():
+    from moe_ext import launcher
+    from moe_ext.kernels.sm90 import stream
+
+    assert launcher.TOKEN_TILES == stream.TOKEN_TILES
 
 
 def test_launcher_table_generation_from_a_header(tmp_path):

@@ -95,8 +95,9 @@ def test_constructor_validation(over, match):
 def test_valid_tactics_are_accepted_and_others_rejected():
     case = make_case("w4a16", num_tokens=4)
     wrapper = wrapper_for(case, max_num_tokens=4)
-    (tactic,) = wrapper.get_valid_tactics()
-    assert torch.equal(wrapper.run(**run_kwargs(case), tactic=tactic), moe_ext.cute_dsl_fused_moe(**case.kwargs()))
+    for tactic in wrapper.get_valid_tactics():
+        assert torch.equal(wrapper.run(**run_kwargs(case), tactic=tactic),
+                           moe_ext.cute_dsl_fused_moe(**case.kwargs()))
     with pytest.raises(ValueError, match="valid tactics"):
         wrapper.run(**run_kwargs(case), tactic=(7,))
 

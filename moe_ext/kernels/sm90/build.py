@@ -31,14 +31,17 @@ def specialisations():
     """(export name, compile function) of every kernel the launcher links."""
     import functools
 
-    from . import activations, fc2_quant_per_token, finalize, gemm1, gemm2, routing
+    from . import activations, fc2_quant_per_token, finalize, gemm1, gemm2, routing, stream
 
     specs = [("moe_routing", routing.compile_routing)]
-    for mode in gemm1.MODES:
-        for kind in activations.KINDS:
-            if not (mode == "w4a8" and kind == "situ"):  # SiTU is rejected for w4a8 (semantics §1.1)
-                specs.append((f"moe_gemm1_{mode}_{kind}", functools.partial(gemm1.compile_gemm1, mode, kind)))
-    specs += [(f"moe_gemm2_{mode}", functools.partial(gemm2.compile_gemm2, mode)) for mode in gemm2.MODES]
+    for tokens in stream.TOKEN_TILES:
+        for mode in gemm1.MODES:
+            for kind in activations.KINDS:
+                if not (mode == "w4a8" and kind == "situ"):  # SiTU is rejected for w4a8 (semantics §1.1)
+                    specs.append((f"moe_gemm1_{mode}_{kind}_t{tokens}",
+                                  functools.partial(gemm1.compile_gemm1, mode, kind, tokens)))
+        specs += [(f"moe_gemm2_{mode}_t{tokens}", functools.partial(gemm2.compile_gemm2, mode, tokens))
+                  for mode in gemm2.MODES]
     specs += [("moe_fc2_quant_per_token", fc2_quant_per_token.compile_fc2_quant),
               ("moe_finalize", finalize.compile_finalize)]
     return specs

@@ -1,5 +1,5 @@
-"""Device-side format helpers for the sm_90a kernels (inlined at trace time, so branch-free): exact decodes of e2m1 codes and
-e4m3 scale bytes to fp32 by building the float's bits, and the 128x4-swizzled scale offset of semantics §1.4.
+"""Device-side format helpers for the sm_90a kernels (inlined at trace time, so branch-free): exact decodes of e4m3 and
+ue8m0 scale bytes to fp32 by building the float's bits, and the 128x4-swizzled scale offset of semantics §1.4.
 
 Hopper has no fp4 conversion instruction; an e2m1 value times an e4m3 scale is exact in bf16 (semantics §2.1).
 """
@@ -8,15 +8,6 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-
-
-def e2m1_to_f32(code: Int32) -> Float32:
-    """e2m1 code (low 4 bits) -> fp32: 0.5 is 0x3F000000; codes with exponent e>0 are 2^(e-1) * (1 + m/2)."""
-    exponent = (code >> 1) & 3
-    mantissa = code & 1
-    normal = ((exponent + 126) << 23) | (mantissa << 22)
-    bits = Int32(cutlass.select_(exponent == 0, mantissa * Int32(0x3F000000), normal))
-    return (bits | ((code & 8) << 28)).bitcast(Float32)
 
 
 def e4m3_to_f32(byte: Int32) -> Float32:

@@ -1,6 +1,6 @@
 """GEMM2 (sm_90a): FC2-input rows x 4-bit FC2 weights -> scaled bf16 expert output per slot.
 
-Grid (max tiles, H / tile_n). Each valid permuted row p (expanded index s = t*K + k) writes
+Grid (max tiles, H / 128), the streaming mainloop of stream.py. Each valid permuted row p (expanded index s = t*K + k) writes
 y[s, :] = bf16(scale * acc2), scale = w2_alpha[e] * (token_final_scales[s] * pts2) for the fused finalize (router
 weight before the bf16 rounding, semantics §2.6) or w2_alpha[e] * pts2 for the deterministic one; pts2 is the
 per-token FC2 row scale (w4a4_pt) or 1. The finalize kernel then combines the K slots of each token.
@@ -13,19 +13,22 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 
+from . import ptx
+from . import stream as streaming
 from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
-from .mainloop import (TILE, load_weight_chunk, make_mma, mma_chunk, shared_tiles, store_activation_chunk,
-                       zero_activation_chunk)
 
 MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 
 
-def make_kernel(mode: str):
+def make_kernel(mode: str, tokens: int):
     a_format = {"w4a16": "bf16", "w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}[mode]
     b_block = 32 if mode == "w4a8" else 16
-    half_k = TILE.tile_k // 2
+    cfg = streaming.CONFIG
+    k_chunk = streaming.k_chunk(tokens)
+    chunk_cols = k_chunk // 8
+    cols_per_thread = cfg.rows * tokens // cfg.threads  # epilogue: output columns per thread
 
     @cute.kernel
     def gemm2_kernel(a_bf16: cute.Tensor, a_q: cute.Tensor, a_sf: cute.Tensor, row_scale: cute.Tensor,
@@ -39,38 +42,58 @@ def make_kernel(mode: str):
         if tile < num_live_tiles[0]:
             expert = tile_to_expert[tile]
             limit = tile_to_mn_limit[tile]
-            row0 = tile * TILE.tile_m
-            rows = cute.size(permuted_to_expanded)
-            s_a, s_b, s_c = shared_tiles()
-            a_row = tid // 2
-            a_half = tid % 2
-            row = row0 + a_row
-            b_row = n_tile * TILE.tile_n + tid
-            tiled_mma, t_sa, t_sb, t_sc, r_a, r_b, acc = make_mma(tid, s_a, s_b, s_c)
-            for k0 in cutlass.range(0, inter, TILE.tile_k):
-                ka = k0 + a_half * half_k
-                col0 = a_half * half_k
-                if row < limit:
-                    if cutlass.const_expr(a_format == "bf16"):
-                        store_activation_chunk(s_a, a_row, col0, a_format, a_bf16, row * inter + ka, half_k, None)
-                    elif cutlass.const_expr(a_format == "nvfp4"):
-                        for blk in cutlass.range_constexpr(half_k // 16):
-                            scale = e4m3_to_f32(Int32(a_sf[swizzled_sf_offset(0, row, ka // 16 + blk, rows,
-                                                                              inter // 16)]))
-                            store_activation_chunk(s_a, a_row, col0 + blk * 16, a_format, a_q,
-                                                   row * (inter // 2) + ka // 2 + blk * 8, 16, scale)
-                    else:
-                        scale = ue8m0_to_f32(Int32(a_sf[swizzled_sf_offset(0, row, ka // 32, rows, inter // 32)]))
-                        store_activation_chunk(s_a, a_row, col0, a_format, a_q, row * inter + ka, half_k, scale)
-                else:
-                    zero_activation_chunk(s_a, a_row, col0, half_k)
-                load_weight_chunk(s_b, tid, w2, w2_sf, expert, b_row, hidden, k0, inter, b_block)
-                cute.arch.sync_threads()
-                mma_chunk(tiled_mma, t_sa, t_sb, r_a, r_b, acc)
-                cute.arch.sync_threads()
-            cute.autovec_copy(acc, t_sc)
+            row0 = tile * tokens
+            all_rows = cute.size(permuted_to_expanded)
+            sm = streaming.allocate(tokens)
+            rows = streaming.weight_rows(w2, w2_sf, expert, n_tile * cfg.rows, tid, hidden, inter)
+            acc = cute.make_rmem_tensor((tokens // 8 * 4,), Float32)
+            acc.fill(0.0)
+            steps = inter // cfg.k_step
+            for s in cutlass.range_constexpr(cfg.stages - 1):
+                if s < steps:
+                    streaming.issue_step(sm, tid, s, rows, s * cfg.k_step, b_block)
+                ptx.cp_async_commit()
+            for q in cutlass.range(steps):
+                k = q * cfg.k_step
+                if k % k_chunk == 0:
+                    # Stage the FC2-input rows of this K-chunk, decoded to bf16, in the tile order.
+                    cute.arch.sync_threads()
+                    for m in cutlass.range_constexpr(streaming.chunk_tasks(tokens)):
+                        task = tid + m * cfg.threads
+                        r = task // chunk_cols
+                        c = task % chunk_cols
+                        kk = k + c * 8
+                        valid = (row0 + r < limit) & (kk < inter)
+                        row = cute.math.min(row0 + r, limit - 1)
+                        kk = cute.math.min(kk, inter - 8)
+                        if cutlass.const_expr(a_format == "bf16"):
+                            u = ptx.ld_global_v4(a_bf16.iterator.toint() + (Int64(row) * Int64(inter) + Int64(kk)) * 2)
+                            values = streaming.bf16x8_to_tile(u)
+                        elif cutlass.const_expr(a_format == "nvfp4"):
+                            word = ptx.ld_global_b32(a_q.iterator.toint() + (Int64(row) * Int64(inter) + Int64(kk)) // 2)
+                            scale = e4m3_to_f32(Int32(a_sf[swizzled_sf_offset(0, row, kk // 16, all_rows, inter // 16)]))
+                            values = streaming.nvfp4x8_to_tile(word, scale)
+                        else:
+                            lo_hi = ptx.ld_global_v2(a_q.iterator.toint() + Int64(row) * Int64(inter) + Int64(kk))
+                            scale = ue8m0_to_f32(Int32(a_sf[swizzled_sf_offset(0, row, kk // 32, all_rows, inter // 32)]))
+                            values = streaming.mxfp8x8_to_tile(lo_hi[0], lo_hi[1], scale)
+                        streaming.store_chunk(sm, tokens, r, c, values, valid)
+                    cute.arch.sync_threads()
+                if q + cfg.stages - 1 < steps:
+                    streaming.issue_step(sm, tid, (q + cfg.stages - 1) % cfg.stages, rows,
+                                      (q + cfg.stages - 1) * cfg.k_step, b_block)
+                ptx.cp_async_commit()
+                ptx.cp_async_wait(cfg.stages - 1)
+                streaming.consume_step(sm, tid, q % cfg.stages, (k % k_chunk) * 2, acc, tokens, b_block)
             cute.arch.sync_threads()
+            streaming.store_accumulators(sm, tid, acc, tokens)
+            cute.arch.sync_threads()
+            s_c = sm.out
 
+            # Epilogue: thread -> (token row, cols_per_thread consecutive output columns).
+            a_row = tid // (cfg.threads // tokens)
+            part = tid % (cfg.threads // tokens)
+            row = row0 + a_row
             if row < limit:
                 slot = permuted_to_expanded[row]
                 pts2 = Float32(1.0)
@@ -79,10 +102,9 @@ def make_kernel(mode: str):
                 scale = w2_alpha[expert] * pts2
                 if router_weight_in_scale:
                     scale = w2_alpha[expert] * (token_final_scales[slot] * pts2)
-                per_thread = TILE.tile_n // 2
-                for i in cutlass.range_constexpr(per_thread):
-                    c = a_half * per_thread + i
-                    slot_output[slot * hidden + n_tile * TILE.tile_n + c] = (scale * s_c[a_row, c]).to(BFloat16)
+                for i in cutlass.range_constexpr(cols_per_thread):
+                    c = part * cols_per_thread + i
+                    slot_output[slot * hidden + n_tile * cfg.rows + c] = (scale * s_c[a_row, c]).to(BFloat16)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
@@ -94,13 +116,13 @@ def make_kernel(mode: str):
         gemm2_kernel(a_bf16, a_q, a_sf, row_scale, w2, w2_sf, w2_alpha, token_final_scales, permuted_to_expanded,
                      tile_to_expert, tile_to_mn_limit, num_live_tiles, slot_output, hidden, inter,
                      router_weight_in_scale).launch(
-            grid=(cute.size(tile_to_expert), hidden // TILE.tile_n, 1), block=(TILE.threads, 1, 1), stream=stream,
+            grid=(cute.size(tile_to_expert), hidden // cfg.rows, 1), block=(cfg.threads, 1, 1), stream=stream,
             use_pdl=pdl)
 
     return launch
 
 
-def compile_gemm2(mode: str, options: str):
+def compile_gemm2(mode: str, tokens: int, options: str):
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     def vector(dtype, align=4):
@@ -108,7 +130,7 @@ def compile_gemm2(mode: str, options: str):
 
     u8 = cutlass.Uint8
     return cute.compile(
-        make_kernel(mode), vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32), vector(u8, 16),
+        make_kernel(mode, tokens), vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32), vector(u8, 16),
         vector(u8, 16), vector(Float32), vector(Float32), vector(Int32), vector(Int32), vector(Int32), vector(Int32),
         vector(BFloat16, 16), Int32(128), Int32(128), cutlass.Boolean(True), cutlass.Boolean(True),
         cuda.CUstream(0), options=options)

@@ -1,0 +1,136 @@
+"""The few PTX instructions the streaming GEMMs need that CuTe-DSL does not expose as plain calls on registers:
+asynchronous 16-byte copies into shared memory, 128-bit shared loads and stores, the bf16 tensor-core MMA on
+registers, and the e2m1 -> bf16 decode. Each is a small inline-asm wrapper on 32-bit registers (bf16x2 pairs
+travel as Int32).
+"""
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def _asm(results: int, args, text: str, constraints: str, side_effects=False, result_type=None):
+    result_type = result_type or T.i32()
+    out_type = None if results == 0 else (
+        result_type if results == 1 else llvm.StructType.get_literal([result_type] * results))
+    value = llvm.inline_asm(out_type, [a.ir_value() for a in args], text, constraints,
+                            has_side_effects=side_effects, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    if results <= 1:
+        return value
+    return [llvm.extractvalue(result_type, value, [i]) for i in range(results)]
+
+
+@dsl_user_op
+def cp_async_16(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> None:
+    """16 bytes global -> shared, bypassing L1 (weights are read once)."""
+    _asm(0, [Int32(smem_addr), Int64(gmem_addr)], "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}",
+         side_effects=True)
+
+
+@dsl_user_op
+def cp_async_4(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> None:
+    _asm(0, [Int32(smem_addr), Int64(gmem_addr)], "cp.async.ca.shared.global [$0], [$1], 4;", "r,l,~{memory}",
+         side_effects=True)
+
+
+@dsl_user_op
+def cp_async_commit(*, loc=None, ip=None) -> None:
+    _asm(0, [], "cp.async.commit_group;", "~{memory}", side_effects=True)
+
+
+@dsl_user_op
+def cp_async_wait(pending: int, *, loc=None, ip=None) -> None:
+    """Wait until at most `pending` of this thread's committed copy groups are still in flight."""
+    _asm(0, [], f"cp.async.wait_group {pending};", "~{memory}", side_effects=True)
+
+
+@dsl_user_op
+def ld_shared_v4(addr: Int32, *, loc=None, ip=None) -> list:
+    values = _asm(4, [Int32(addr)], "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
+                  side_effects=True)
+    return [Int32(v) for v in values]
+
+
+@dsl_user_op
+def ld_shared_b32(addr: Int32, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(1, [Int32(addr)], "ld.shared.b32 $0, [$1];", "=r,r,~{memory}", side_effects=True))
+
+
+@dsl_user_op
+def st_shared_v4(addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
+    _asm(0, [Int32(addr), Int32(a), Int32(b), Int32(c), Int32(d)], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
+         "r,r,r,r,r,~{memory}", side_effects=True)
+
+
+@dsl_user_op
+def ld_global_v4(addr: Int64, *, loc=None, ip=None) -> list:
+    values = _asm(4, [Int64(addr)], "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+    return [Int32(v) for v in values]
+
+
+@dsl_user_op
+def ld_global_v2(addr: Int64, *, loc=None, ip=None) -> list:
+    values = _asm(2, [Int64(addr)], "ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l")
+    return [Int32(v) for v in values]
+
+
+@dsl_user_op
+def ld_global_b32(addr: Int64, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(1, [Int64(addr)], "ld.global.nc.b32 $0, [$1];", "=r,l"))
+
+
+@dsl_user_op
+def prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
+    """Bytes of (b:a) picked by the four nibbles of `selector`."""
+    return Int32(_asm(1, [Int32(a), Int32(b)], f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r"))
+
+
+@dsl_user_op
+def mul_bf16x2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(1, [Int32(a), Int32(b)], "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r"))
+
+
+@dsl_user_op
+def pack_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
+    """(lo, hi) fp32 -> one bf16x2 register, round to nearest even (exact for values bf16 can hold)."""
+    return Int32(_asm(1, [Float32(hi), Float32(lo)], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f"))
+
+
+# bf16 2^126, in both halves: the decoded e2m1 bit pattern below is the value times 2^-126.
+BF16X2_2P126 = 0x7E807E80
+
+
+@dsl_user_op
+def e2m1x8_to_bf16x2(word: Int32, scale2: Int32, *, loc=None, ip=None) -> list:
+    """Eight packed e2m1 codes (code j in bits 4j..4j+3) -> four bf16x2 registers, pair i = (code i, code i+4),
+    each value times the bf16x2 `scale2`.
+
+    The 3 magnitude bits go to bf16 bits 6..8 (exponent field = e2m1 exponent, top mantissa bit = e2m1 mantissa)
+    and the sign to bit 15: that bit pattern is exactly value * 2^-126 for every code, the subnormal 0.5 included,
+    so a single bf16 multiply by scale * 2^126 (or two exact ones) gives the decoded value. The pairing (i, i+4)
+    keeps both halves of a register at the same shift distance (16 bits), so one shift + mask serves both.
+    """
+    w = Int32(word)
+    out = []
+    for i in range(4):
+        shift_mag = 6 - 4 * i
+        shift_sign = 12 - 4 * i
+        mag = (w << shift_mag) if shift_mag >= 0 else (w >> -shift_mag)  # the mask drops sign-filled bits
+        mag = mag & Int32(0x01C001C0)
+        sign = (w << shift_sign) & Int32(-2147450880)  # 0x80008000
+        out.append(mul_bf16x2(mag | sign, scale2))
+    return out
+
+
+@dsl_user_op
+def mma_bf16_16816(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
+    """c += A (16x16 bf16, row) x B (16x8 bf16, col) with fp32 accumulation; operands in the PTX fragment order."""
+    args = [Int32(v) for v in a] + [Int32(v) for v in b] + [Float32(v) for v in c]
+    values = _asm(4, args,
+                  "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
+                  "{$8, $9}, {$10, $11, $12, $13};",
+                  "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", result_type=T.f32())
+    return [Float32(v) for v in values]

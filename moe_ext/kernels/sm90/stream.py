@@ -1,0 +1,218 @@
+"""Streaming mainloop of the grouped GEMMs (sm_90a, version 2): swap-AB, weights decoded in registers.
+
+The 4-bit weights are the MMA's M side (128 weight rows per CTA, 16 per warp) and the routed tokens its N side
+(`tokens` per CTA = the routing tile), so a CTA streams each weight byte once for up to `tokens` tokens: at decode
+the kernel is a weight stream, and all of it goes through one path:
+
+  weights  global --cp.async 16 B--> per-thread shared ring (`stages` deep) --> registers --> e2m1 decode
+           (shift/mask into bf16 bit patterns, one bf16x2 multiply by the block scale) --> MMA A fragments
+  tokens   global --> decoded to bf16 once per CTA and K-chunk --> shared tile --> MMA B fragments
+  MMA      mma.sync m16n8k16 bf16 -> fp32 accumulators in registers
+
+Each thread copies and later reads only its own ring slots (16 bytes of each of its two rows per 128-K step, plus
+the 4-byte scale group of each row), so the ring needs no barrier, only cp.async.wait_group.
+
+K order inside the MMA is free as long as both operands agree. Thread t of a quad owns K [32t, 32t + 32) of each
+128-K step (one 16-byte load per row); a decoded register holds the codes (i, i + 4) of an 8-code word, and the
+token tile is stored in the same order (x0 x4 x1 x5 x2 x6 x3 x7 per 8 values), so each B fragment is one 16-byte
+shared load.
+
+Scale bookkeeping: the decoded weight bit pattern is w * 2^-126; it is multiplied by bf16(scale * 2^63), and the
+token tile holds x * 2^63, so the fp32 accumulator is exactly sum(w * scale * x) (every step is an exact bf16
+operation; semantics §2.1). Limits of that trick: token values must stay below 2^64 in magnitude and MXFP4 weight
+scales below 2^64 (both far outside anything a real layer holds).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from . import ptx
+from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    rows: int = 128  # weight rows per CTA (MMA M): 8 warps x 16
+    threads: int = 256
+    k_step: int = 128  # K per pipeline stage
+    stages: int = 6  # ring depth: 6 x 40 bytes x 256 threads = 60 KB in flight per CTA
+    token_elems: int = 32768  # bf16 elements of the shared token tile (64 KB): tokens x K-chunk
+
+
+CONFIG = StreamConfig()
+TOKEN_TILES = (8, 64)  # the routing tiles the kernels are compiled for (tokens per CTA)
+
+BF16X2_2P63 = 0x5F005F00  # bf16 2^63 in both halves
+BF16X2_2P120 = 0x7B807B80
+TWO_P63 = 9.223372036854775808e18
+
+
+def k_chunk(tokens: int) -> int:
+    """K values of the token tile staged at a time."""
+    return min(4096, CONFIG.token_elems // tokens)
+
+
+def row_pitch(tokens: int) -> int:
+    """Bytes between token rows of the shared tile: one 16-byte chunk of padding staggers the banks."""
+    return (k_chunk(tokens) + 8) * 2
+
+
+class Smem(NamedTuple):
+    weights: Int32  # shared address of the weight ring: stages x threads x 32 bytes
+    scales: Int32  # stages x threads x 8 bytes
+    tokens: Int32  # the token tile
+    out: cute.Tensor  # fp32 [tokens, rows] accumulator tile, over the token tile (used after the mainloop)
+
+
+def allocate(tokens: int) -> Smem:
+    c = CONFIG
+    smem = cutlass.utils.SmemAllocator()
+    ring_w = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(c.stages * c.threads * 32), 16)
+    ring_s = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(c.stages * c.threads * 8), 16)
+    tile_bytes = max(tokens * row_pitch(tokens), tokens * (c.rows + 4) * 4)
+    tile = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(tile_bytes), 16)
+    out = cute.make_tensor(cute.recast_ptr(tile.iterator, dtype=Float32),
+                           cute.make_layout((tokens, c.rows), stride=(c.rows + 4, 1)))
+    return Smem(ring_w.iterator.toint(), ring_s.iterator.toint(), tile.iterator.toint(), out)
+
+
+class WeightRows(NamedTuple):
+    """The two weight rows (r, r + 8) a thread streams, and where their bytes and scales start."""
+
+    row0: Int64  # global byte address of row r at K = 0
+    row1: Int64
+    sf: Int64  # global address of the scale bytes (the 128x4-swizzled tensor)
+    expert: Int32
+    r: Int32
+    rows_per_expert: Int32
+    k_extent: Int32
+
+
+def weight_rows(w: cute.Tensor, w_sf: cute.Tensor, expert, first_row, tid, rows_per_expert, k_extent) -> WeightRows:
+    warp = tid // 32
+    lane = tid % 32
+    r = first_row + warp * 16 + lane // 4
+    base = w.iterator.toint()
+    stride = Int64(k_extent // 2)
+    row0 = base + (Int64(expert) * Int64(rows_per_expert) + Int64(r)) * stride
+    return WeightRows(row0, row0 + stride * 8, w_sf.iterator.toint(), Int32(expert), r, rows_per_expert, k_extent)
+
+
+def _scale_group(rows: WeightRows, row, k, tid, block: int) -> Int64:
+    """Address of the 4 swizzled scale bytes holding this thread's block(s) of the 128-K step at k."""
+    first = k // block + (2 * (tid % 4) if block == 16 else tid % 4)
+    offset = swizzled_sf_offset(rows.expert, row, first - first % 4, rows.rows_per_expert, rows.k_extent // block)
+    return rows.sf + Int64(offset)
+
+
+def issue_step(sm: Smem, tid, stage, rows: WeightRows, k, block: int):
+    """Start the copies of 128-K step k (this thread's 16 bytes of each row and their scale groups)."""
+    dst = sm.weights + (stage * CONFIG.threads + tid) * 32
+    src = Int64(k // 2 + (tid % 4) * 16)
+    ptx.cp_async_16(dst, rows.row0 + src)
+    ptx.cp_async_16(dst + 16, rows.row1 + src)
+    sdst = sm.scales + (stage * CONFIG.threads + tid) * 8
+    ptx.cp_async_4(sdst, _scale_group(rows, rows.r, k, tid, block))
+    ptx.cp_async_4(sdst + 4, _scale_group(rows, rows.r + 8, k, tid, block))
+
+
+def _scale_pairs(group: Int32, tid, block: int) -> list:
+    """bf16x2 (scale * 2^63) for each of the 4 words a thread holds of one row."""
+    if block == 16:
+        sel = (2 * (tid % 4)) % 4
+        lo = e4m3_to_f32((group >> (sel * 8)) & 0xFF) * Float32(TWO_P63)
+        hi = e4m3_to_f32((group >> (sel * 8 + 8)) & 0xFF) * Float32(TWO_P63)
+        lo2 = ptx.pack_bf16x2(lo, lo)
+        hi2 = ptx.pack_bf16x2(hi, hi)
+        return [lo2, lo2, hi2, hi2]
+    s = ue8m0_to_f32((group >> ((tid % 4) * 8)) & 0xFF) * Float32(TWO_P63)
+    s2 = ptx.pack_bf16x2(s, s)
+    return [s2, s2, s2, s2]
+
+
+def consume_step(sm: Smem, tid, stage, tile_offset, acc: cute.Tensor, tokens: int, block: int):
+    """acc += this thread's share of the 128-K step in ring slot `stage`; its tokens start at byte `tile_offset`
+    of the token tile rows (the step's position inside the staged K-chunk)."""
+    slot = sm.weights + (stage * CONFIG.threads + tid) * 32
+    w0 = ptx.ld_shared_v4(slot)
+    w1 = ptx.ld_shared_v4(slot + 16)
+    sslot = sm.scales + (stage * CONFIG.threads + tid) * 8
+    s0 = _scale_pairs(ptx.ld_shared_b32(sslot), tid, block)
+    s1 = _scale_pairs(ptx.ld_shared_b32(sslot + 4), tid, block)
+    lane = tid % 32
+    t = lane % 4
+    swap = (t >> 1) << 1  # the tile's 16-byte chunk swizzle (see stage_chunk)
+    row_base = sm.tokens + (lane // 4) * row_pitch(tokens) + tile_offset
+    for j in range(4):
+        a0 = ptx.e2m1x8_to_bf16x2(w0[j], s0[j])
+        a1 = ptx.e2m1x8_to_bf16x2(w1[j], s1[j])
+        chunk = t * 4 + (Int32(j) ^ swap)
+        for nt in range(tokens // 8):
+            b = ptx.ld_shared_v4(row_base + nt * 8 * row_pitch(tokens) + chunk * 16)
+            for h in range(2):
+                c = [acc[nt * 4 + i] for i in range(4)]
+                d = ptx.mma_bf16_16816([a0[2 * h], a1[2 * h], a0[2 * h + 1], a1[2 * h + 1]],
+                                       [b[2 * h], b[2 * h + 1]], c)
+                for i in range(4):
+                    acc[nt * 4 + i] = d[i]
+
+
+def tile_address(sm: Smem, tokens: int, row, chunk) -> Int32:
+    """Shared address of 8-value chunk `chunk` of token row `row`; bit 1 of the chunk flips with bit 3 so the four
+    threads of a quad (32 K apart) hit different banks."""
+    return sm.tokens + row * row_pitch(tokens) + (chunk ^ (((chunk >> 3) & 1) << 1)) * 16
+
+
+def permute_bf16x8(u: list) -> list:
+    """bf16 x0..x7 in 4 registers -> the tile order (x0 x4)(x1 x5)(x2 x6)(x3 x7)."""
+    return [ptx.prmt(u[0], u[2], 0x5410), ptx.prmt(u[0], u[2], 0x7632),
+            ptx.prmt(u[1], u[3], 0x5410), ptx.prmt(u[1], u[3], 0x7632)]
+
+
+def bf16x8_to_tile(u: list) -> list:
+    return [ptx.mul_bf16x2(v, Int32(BF16X2_2P63)) for v in permute_bf16x8(u)]
+
+
+def nvfp4x8_to_tile(word: Int32, scale: Float32) -> list:
+    """8 packed e2m1 codes times their e4m3 block scale, times 2^63, in tile order."""
+    s2 = ptx.pack_bf16x2(scale * Float32(TWO_P63), scale * Float32(TWO_P63))
+    return [ptx.mul_bf16x2(v, s2) for v in ptx.e2m1x8_to_bf16x2(word, Int32(ptx.BF16X2_2P126))]
+
+
+def mxfp8x8_to_tile(lo: Int32, hi: Int32, scale: Float32) -> list:
+    """8 e4m3 bytes (x0..x3 in lo, x4..x7 in hi) times their ue8m0 scale, times 2^63, in tile order. The 7 value
+    bits placed at bf16 bits 4..10 read as x * 2^-120 (subnormals included); two exact multiplies finish it."""
+    s2 = ptx.pack_bf16x2(scale * Float32(TWO_P63), scale * Float32(TWO_P63))
+    out = []
+    for p in range(4):
+        u = ptx.prmt(lo, hi, ((4 + p) << 8) | p)  # byte 0 = x_p, byte 2 = x_{p+4}
+        bits = ((u & Int32(0x007F007F)) << 4) | ((u & Int32(0x00800080)) << 8)
+        out.append(ptx.mul_bf16x2(ptx.mul_bf16x2(bits, Int32(BF16X2_2P120)), s2))
+    return out
+
+
+def store_chunk(sm: Smem, tokens: int, row, chunk, values: list, valid) -> None:
+    zero = Int32(0)
+    v = [Int32(cutlass.select_(valid, x, zero)) for x in values]
+    ptx.st_shared_v4(tile_address(sm, tokens, row, chunk), v[0], v[1], v[2], v[3])
+
+
+def store_accumulators(sm: Smem, tid, acc: cute.Tensor, tokens: int) -> None:
+    """Registers -> sm.out[token, weight row] (call between barriers: it overwrites the token tile)."""
+    warp = tid // 32
+    lane = tid % 32
+    g = lane // 4
+    t = lane % 4
+    for nt in range(tokens // 8):
+        for i in range(4):
+            sm.out[nt * 8 + 2 * t + i % 2, warp * 16 + g + 8 * (i // 2)] = acc[nt * 4 + i]
+
+
+def chunk_tasks(tokens: int) -> int:
+    """8-value chunks each thread stages per K-chunk."""
+    return tokens * k_chunk(tokens) // 8 // CONFIG.threads
