@@ -16,7 +16,9 @@ How a point is measured, and why:
 - Bytes and FLOPs come from the routing actually used (mean over the rotated sets): packed weights + scales of
   every local expert at least one slot is routed to, activations in, bf16 output out; FLOPs count the slots routed
   to local experts. Roofline time = max(bytes / 4.15 TB/s, flops / 793 TFLOP/s) (H200, docs/perf-notes.md).
-- Peers (moe_ext/bench_peers.py) run in the same process on the same routing sets.
+- A layer whose (H, I) the kernels refuse (gpt-oss: 2880) runs at the smallest padding they accept, as the
+  library itself decides (validation + backend choice); its records carry padded_from.
+- Peers (moe_ext/bench_peers.py) run in the same process on the same routing sets, at the model's own dims.
 - A point that fails (out of memory, unsupported) is recorded with its error and the sweep goes on.
 """
 from __future__ import annotations
@@ -31,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +45,7 @@ import moe_ext
 from moe_ext.activation import Activation, ActivationType
 from moe_ext.bench_peers import (PeerUnavailable, TritonKernelsMxfp4, bucket_counts, grouped_mm_moe, route_buckets,
                                  triton_kernels_unavailable)
+from moe_ext.backends import backend_for
 from moe_ext.problem import build_problem
 from moe_ext.quant import e4m3_encode, swizzled_size, ue8m0_encode_ceil
 from moe_ext.quant.block import MX_BLOCK, NVFP4_BLOCK, sf_block
@@ -168,7 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0 or args.host_iters < 1 or args.max_seconds_per_point <= 0:
+        parser.error("--iters and --host-iters must be >= 1, --warmup >= 0, --max-seconds-per-point > 0")
     if args.out is None:
         args.out = DEFAULT_HOST_OUT if args.host_overhead else DEFAULT_OUT
     return args
@@ -178,38 +185,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # Which (H, I) moe_ext can run
 # ----------------------------------------------------------------------------------------------------------------
 
-def validation_error(shape: Shape, quant_mode: str, hidden: int, inter: int) -> str | None:
-    """The API's own verdict on (H, I) for this mode and activation: build_problem on meta tensors (it reads only
-    metadata), so the rule is never restated here. None when accepted, else the error message."""
-    meta = dict(device="meta")
+def _tiny_problem_args(shape: Shape, quant_mode: str, hidden: int, inter: int, device) -> tuple:
+    """cute_dsl_fused_moe's positional arguments for one token and one expert at (H, I): all a validator or a
+    backend looks at is their metadata, so on the meta device they cost nothing."""
     block = sf_block(quant_mode)
     x_dtype = {"w4a4": torch.uint8, "w4a8": torch.float8_e4m3fn, "w4a16": torch.bfloat16}[quant_mode]
-    x = torch.empty(1, hidden // 2 if quant_mode == "w4a4" else hidden, dtype=x_dtype, **meta)
-    x_sf = None if quant_mode == "w4a16" else torch.empty(1, hidden // block, dtype=torch.uint8, **meta)
-    u8 = dict(dtype=torch.uint8, **meta)
+    u8 = dict(dtype=torch.uint8, device=device)
+    x = torch.empty(1, hidden // 2 if quant_mode == "w4a4" else hidden, dtype=x_dtype, device=device)
+    x_sf = None if quant_mode == "w4a16" else torch.empty(1, hidden // block, **u8)
+    w1 = torch.empty(1, 2 * inter, hidden // 2, **u8)
+    w1_sf = torch.empty(swizzled_size(1, 2 * inter, hidden // block), **u8)
+    w2 = torch.empty(1, hidden, inter // 2, **u8)
+    w2_sf = torch.empty(swizzled_size(1, hidden, inter // block), **u8)
+    one = torch.ones(1, device=device)  # alphas, fc2_input_scale
+    ids, scales = torch.zeros(1, 1, dtype=torch.int32, device=device), torch.ones(1, 1, device=device)
+    return (x, x_sf, ids, scales, w1, w1_sf, one, one if quant_mode == "w4a4" else None, w2, w2_sf, one, 1, 1)
+
+
+def kernel_rejection(shape: Shape, quant_mode: str, hidden: int, inter: int, device="meta") -> str | None:
+    """Why moe_ext would not run (H, I) of this layer on its sm_90a kernels, or None when it would.
+
+    The library decides, so no rule is restated here: the API's validation (build_problem, metadata only), then,
+    on a real device, which backend it picks (backend_for). A layer the kernels refuse runs on the reference path,
+    which is neither fast nor capturable. On the meta device only the validation is checked.
+    """
+    kwargs = dict(quant_mode=quant_mode, **shape.wrapper_kwargs())
     try:
-        build_problem(
-            x, x_sf, torch.empty(1, 1, dtype=torch.int32, **meta), torch.empty(1, 1, **meta),
-            torch.empty(1, 2 * inter, hidden // 2, **u8), torch.empty(swizzled_size(1, 2 * inter, hidden // block), **u8),
-            torch.empty(1, **meta), torch.empty(1, **meta) if quant_mode == "w4a4" else None,
-            torch.empty(1, hidden, inter // 2, **u8), torch.empty(swizzled_size(1, hidden, inter // block), **u8),
-            torch.empty(1, **meta), 1, 1, quant_mode=quant_mode, **shape.wrapper_kwargs())
+        build_problem(*_tiny_problem_args(shape, quant_mode, hidden, inter, "meta"), **kwargs)
     except (TypeError, ValueError) as exc:
         return str(exc)
-    return None
+    if torch.device(device).type == "meta":
+        return None
+    problem = build_problem(*_tiny_problem_args(shape, quant_mode, hidden, inter, device), **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend = backend_for(problem)
+    if backend.name == "sm90":
+        return None
+    said = "; ".join(str(w.message) for w in caught)
+    return said or (f"moe_ext would take its {backend.name} path on {torch.device(device)}, not the sm_90a "
+                    f"kernels (not a Hopper GPU, or moe_ext._C lacks the {quant_mode} kernels)")
 
 
-def supported_dims(shape: Shape, quant_mode: str, search: int = 256, step: int = 16) -> tuple[int, int]:
-    """The smallest (H, I) >= the model's that moe_ext accepts for `quant_mode` (weights grow with H*I, so the
-    smallest product wins); the model's own dims when they are accepted."""
+def supported_dims(shape: Shape, quant_mode: str, device="meta", search: int = 256, step: int = 16) -> tuple[int, int]:
+    """The smallest (H, I) >= the model's that moe_ext runs on its kernels for `quant_mode` (weights grow with
+    H*I, so the smallest product wins); the model's own dims when they run."""
     candidates = sorted(((h, i) for h in range(shape.hidden, shape.hidden + search + 1, step)
                          for i in range(shape.inter, shape.inter + search + 1, step)),
                         key=lambda d: (d[0] * d[1], d))
     for hidden, inter in candidates:
-        if validation_error(shape, quant_mode, hidden, inter) is None:
+        if kernel_rejection(shape, quant_mode, hidden, inter, device) is None:
             return hidden, inter
-    raise ValueError(f"{shape.name}: no padding of (H, I) = ({shape.hidden}, {shape.inter}) within +{search} is "
-                     f"accepted for {quant_mode}")
+    raise ValueError(f"{shape.name} {quant_mode}: no (H, I) within +{search} of ({shape.hidden}, {shape.inter}) "
+                     f"runs on the kernels; for the model's own: "
+                     f"{kernel_rejection(shape, quant_mode, shape.hidden, shape.inter, device)}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -547,18 +576,6 @@ class Run:
         return torch.Generator(device=self.device).manual_seed(seed)
 
 
-def moe_ext_unavailable(quant_mode: str, device) -> str | None:
-    """Why moe_ext would not run on its sm_90a kernels here (it would take the reference path, which is neither
-    fast nor capturable), or None."""
-    from moe_ext import launcher
-
-    if not launcher.hopper_device(torch.device(device)):
-        return f"{torch.cuda.get_device_name(device)} is not an sm_90 (Hopper) device"
-    if not launcher.has_kernel(f"moe_gemm2_{quant_mode}"):
-        return f"moe_ext._C has no sm_90a kernels for {quant_mode}"
-    return None
-
-
 def rotated(items: list, copies: list, count: int) -> list[tuple]:
     """(input set, weight copy) of each of `count` graphs, both taken round-robin."""
     return [(items[j % len(items)], copies[j % len(copies)]) for j in range(count)]
@@ -594,7 +611,6 @@ def run_moe_ext(run: Run, shape: Shape, num_tokens: int, quant_mode: str, dims: 
     """moe_ext in one quant mode, every requested finalize, sharing one set of weights and inputs."""
     points = [Point(shape, num_tokens, "moe_ext", quant_mode, f, *dims) for f in run.args.finalize]
     copies, reason = run.plan(points[0])
-    reason = moe_ext_unavailable(quant_mode, run.device) or reason
     if reason:
         for point in points:
             run.add(failure_record(point, "skipped", reason, run.meta))
@@ -661,21 +677,23 @@ def run_triton_kernels(run: Run, shape: Shape, num_tokens: int, sets: list[Routi
 
 
 def moe_ext_dims(run: Run, shape: Shape) -> dict[str, tuple[int, int]]:
-    """(H, I) moe_ext runs per requested mode; says so when the model's own dims are not accepted."""
+    """(H, I) moe_ext runs on its kernels per requested mode, padded where the model's own are refused (said so);
+    a mode with none is recorded as skipped for every T and finalize."""
     dims = {}
     for mode in run.args.modes if "moe_ext" in run.args.impls else ():
         try:
-            dims[mode] = supported_dims(shape, mode)
+            dims[mode] = supported_dims(shape, mode, run.device)
         except ValueError as exc:
-            print(f"{shape.name} {mode} skipped: {exc}", flush=True)
-            for finalize in run.args.finalize:
-                point = Point(shape, 0, "moe_ext", mode, finalize, shape.hidden, shape.inter)
-                run.add(dict(failure_record(point, "skipped", str(exc), run.meta), T=None))
+            print(f"moe_ext skipped: {exc}", flush=True)
+            for num_tokens in run.args.tokens:
+                for finalize in run.args.finalize:
+                    point = Point(shape, num_tokens, "moe_ext", mode, finalize, shape.hidden, shape.inter)
+                    run.add(failure_record(point, "skipped", str(exc), run.meta))
             continue
         if dims[mode] != (shape.hidden, shape.inter):
-            print(f"{shape.name}: (H, I) = ({shape.hidden}, {shape.inter}) is not accepted for {mode} "
-                  f"({validation_error(shape, mode, shape.hidden, shape.inter)}); running the nearest supported "
-                  f"padding (H, I) = {dims[mode]}", flush=True)
+            print(f"{shape.name}: (H, I) = ({shape.hidden}, {shape.inter}) does not run on the kernels for {mode} "
+                  f"({kernel_rejection(shape, mode, shape.hidden, shape.inter, run.device)}); running the nearest "
+                  f"supported padding (H, I) = {dims[mode]}", flush=True)
     return dims
 
 
@@ -777,12 +795,11 @@ def measure_host_overhead(run: Run, point: Point) -> dict:
 def run_host_overhead(run: Run, shape: Shape, quant_mode: str) -> None:
     """--host-overhead for one layer and mode, every requested finalize."""
     try:
-        dims = supported_dims(shape, quant_mode)
-    except ValueError:
-        dims = (shape.hidden, shape.inter)  # measure_host_overhead then fails with the API's own message
+        dims, reason = supported_dims(shape, quant_mode, run.device), None
+    except ValueError as exc:
+        dims, reason = (shape.hidden, shape.inter), str(exc)
     for finalize in run.args.finalize:
         point = Point(shape, 1, "moe_ext", quant_mode, finalize, *dims)
-        reason = moe_ext_unavailable(quant_mode, run.device)
         if reason:
             run.add(failure_record(point, "skipped", reason, run.meta))
         else:
@@ -836,23 +853,30 @@ def format_row(record: dict) -> str:
     return f"{head} {'ERROR' if 'error' in record else 'skipped'}: {record.get('error', record.get('skipped'))}"
 
 
+def annotate_speedups(records: list[dict]) -> None:
+    """Give every measured moe_ext record `speedup_vs`: {peer: peer time / moe_ext time} for each peer measured at
+    the same (shape, T), i.e. on the same routing sets (> 1: moe_ext is faster)."""
+    peer_us = {(r["shape"], r["T"], r["impl"]): r["us"] for r in records if "us" in r and r["impl"] in PEERS}
+    for r in records:
+        if "us" in r and r["impl"] == "moe_ext":
+            r["speedup_vs"] = {p: peer_us[r["shape"], r["T"], p] / r["us"] for p in PEERS
+                               if (r["shape"], r["T"], p) in peer_us}
+
+
 def format_table(records: list[dict]) -> str:
-    """The measured points, grouped by (shape, T), each moe_ext row with its speedup over every peer measured on
-    the same routing (peer time / moe_ext time: > 1 means moe_ext is faster)."""
+    """The measured points grouped by (shape, T), each moe_ext row with its speedup over every measured peer,
+    then the points without a time and why."""
+    annotate_speedups(records)
     measured = [r for r in records if "us" in r]
     peers = [p for p in PEERS if any(r["impl"] == p for r in measured)]
-    peer_us = {(r["shape"], r["T"], r["impl"]): r["us"] for r in measured if r["impl"] in peers}
     order = {name: i for i, name in enumerate(SHAPES)}
     measured.sort(key=lambda r: (order.get(r["shape"], len(order)), r["T"], IMPLS.index(r["impl"]),
                                  r["quant_mode"], r["finalize"]))
     lines = [TABLE_HEADER + "".join(f" {'vs ' + p:>28}" for p in peers)]
     for r in measured:
-        row = format_row(r)
-        for p in peers:
-            base = peer_us.get((r["shape"], r["T"], p))
-            cell = f"{base / r['us']:.2f}x" if r["impl"] == "moe_ext" and base else "-"
-            row += f" {cell:>28}"
-        lines.append(row)
+        speedup = r.get("speedup_vs", {})
+        lines.append(format_row(r) + "".join(f" {f'{speedup[p]:.2f}x' if p in speedup else '-':>28}"
+                                             for p in peers))
     if any("padded_from" in r for r in measured):
         lines.append("* moe_ext ran a padded (H, I) (padded_from in the JSON); peers ran the model's own dims.")
     lines += [format_row(r) for r in records if "us" not in r and "host_us" not in r]
@@ -895,6 +919,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.shapes:
         run_shape(run, SHAPES[name])
     print("\n" + format_table(run.records))
+    write_records(run.records, args.out)  # now with speedup_vs on the moe_ext records
     if args.plot:
         write_plot(run.records, args.plot)
     return 0

@@ -50,21 +50,22 @@ def make_kernel(mode: str, kind: str, tokens: int):
             expert = tile_to_expert[tile]
             limit = tile_to_mn_limit[tile]
             row0 = tile * tokens
-            sm = streaming.allocate(tokens)
-            rows = streaming.weight_rows(w1, w1_sf, expert, n_tile * cfg.rows, tid, n1, hidden)
+            sm = streaming.allocate(tokens, cfg)
+            rows = streaming.weight_rows(w1, w1_sf, expert, n_tile * cfg.rows, tid, n1, hidden, b_block)
+            streaming.fill_scale_lut(sm, tid, b_block)
             acc = cute.make_rmem_tensor((tokens // 8 * 4,), Float32)
             acc.fill(0.0)
             steps = hidden // cfg.k_step
             for s in cutlass.range_constexpr(cfg.stages - 1):
                 if s < steps:
-                    streaming.issue_step(sm, tid, s, rows, s * cfg.k_step, b_block)
+                    streaming.issue_step(sm, tid, s, rows, s, b_block)
                 ptx.cp_async_commit()
             for q in cutlass.range(steps):
                 k = q * cfg.k_step
                 if k % k_chunk == 0:
                     # Stage the gathered token rows of this K-chunk, decoded to bf16, in the tile order.
                     cute.arch.sync_threads()
-                    for m in cutlass.range_constexpr(streaming.chunk_tasks(tokens)):
+                    for m in cutlass.range_constexpr(streaming.chunk_tasks(tokens, cfg)):
                         task = tid + m * cfg.threads
                         r = task // chunk_cols
                         c = task % chunk_cols
@@ -88,8 +89,8 @@ def make_kernel(mode: str, kind: str, tokens: int):
                         streaming.store_chunk(sm, tokens, r, c, values, valid)
                     cute.arch.sync_threads()
                 if q + cfg.stages - 1 < steps:
-                    streaming.issue_step(sm, tid, (q + cfg.stages - 1) % cfg.stages, rows,
-                                      (q + cfg.stages - 1) * cfg.k_step, b_block)
+                    streaming.issue_step(sm, tid, (q + cfg.stages - 1) % cfg.stages, rows, q + cfg.stages - 1,
+                                         b_block)
                 ptx.cp_async_commit()
                 ptx.cp_async_wait(cfg.stages - 1)
                 streaming.consume_step(sm, tid, q % cfg.stages, (k % k_chunk) * 2, acc, tokens, b_block)

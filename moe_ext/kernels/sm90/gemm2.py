@@ -25,7 +25,7 @@ MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 def make_kernel(mode: str, tokens: int):
     a_format = {"w4a16": "bf16", "w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}[mode]
     b_block = 32 if mode == "w4a8" else 16
-    cfg = streaming.CONFIG
+    cfg = streaming.NARROW
     k_chunk = streaming.k_chunk(tokens)
     chunk_cols = k_chunk // 8
     cols_per_thread = cfg.rows * tokens // cfg.threads  # epilogue: output columns per thread
@@ -44,21 +44,22 @@ def make_kernel(mode: str, tokens: int):
             limit = tile_to_mn_limit[tile]
             row0 = tile * tokens
             all_rows = cute.size(permuted_to_expanded)
-            sm = streaming.allocate(tokens)
-            rows = streaming.weight_rows(w2, w2_sf, expert, n_tile * cfg.rows, tid, hidden, inter)
+            sm = streaming.allocate(tokens, cfg)
+            rows = streaming.weight_rows(w2, w2_sf, expert, n_tile * cfg.rows, tid, hidden, inter, b_block)
+            streaming.fill_scale_lut(sm, tid, b_block)
             acc = cute.make_rmem_tensor((tokens // 8 * 4,), Float32)
             acc.fill(0.0)
             steps = inter // cfg.k_step
             for s in cutlass.range_constexpr(cfg.stages - 1):
                 if s < steps:
-                    streaming.issue_step(sm, tid, s, rows, s * cfg.k_step, b_block)
+                    streaming.issue_step(sm, tid, s, rows, s, b_block)
                 ptx.cp_async_commit()
             for q in cutlass.range(steps):
                 k = q * cfg.k_step
                 if k % k_chunk == 0:
                     # Stage the FC2-input rows of this K-chunk, decoded to bf16, in the tile order.
                     cute.arch.sync_threads()
-                    for m in cutlass.range_constexpr(streaming.chunk_tasks(tokens)):
+                    for m in cutlass.range_constexpr(streaming.chunk_tasks(tokens, cfg)):
                         task = tid + m * cfg.threads
                         r = task // chunk_cols
                         c = task % chunk_cols
@@ -80,8 +81,8 @@ def make_kernel(mode: str, tokens: int):
                         streaming.store_chunk(sm, tokens, r, c, values, valid)
                     cute.arch.sync_threads()
                 if q + cfg.stages - 1 < steps:
-                    streaming.issue_step(sm, tid, (q + cfg.stages - 1) % cfg.stages, rows,
-                                      (q + cfg.stages - 1) * cfg.k_step, b_block)
+                    streaming.issue_step(sm, tid, (q + cfg.stages - 1) % cfg.stages, rows, q + cfg.stages - 1,
+                                         b_block)
                 ptx.cp_async_commit()
                 ptx.cp_async_wait(cfg.stages - 1)
                 streaming.consume_step(sm, tid, q % cfg.stages, (k % k_chunk) * 2, acc, tokens, b_block)

@@ -60,6 +60,11 @@ def ld_shared_b32(addr: Int32, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def st_shared_b32(addr: Int32, value: Int32, *, loc=None, ip=None) -> None:
+    _asm(0, [Int32(addr), Int32(value)], "st.shared.b32 [$0], $1;", "r,r,~{memory}", side_effects=True)
+
+
+@dsl_user_op
 def st_shared_v4(addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
     _asm(0, [Int32(addr), Int32(a), Int32(b), Int32(c), Int32(d)], "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
          "r,r,r,r,r,~{memory}", side_effects=True)
@@ -69,6 +74,12 @@ def st_shared_v4(addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=Non
 def ld_global_v4(addr: Int64, *, loc=None, ip=None) -> list:
     values = _asm(4, [Int64(addr)], "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
     return [Int32(v) for v in values]
+
+
+@dsl_user_op
+def st_global_v4(addr: Int64, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
+    _asm(0, [Int64(addr), Int32(a), Int32(b), Int32(c), Int32(d)], "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+         "l,r,r,r,r,~{memory}", side_effects=True)
 
 
 @dsl_user_op

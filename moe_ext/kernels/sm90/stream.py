@@ -37,14 +37,22 @@ from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
 
 @dataclass(frozen=True)
 class StreamConfig:
-    rows: int = 128  # weight rows per CTA (MMA M): 8 warps x 16
-    threads: int = 256
+    warps: int = 8  # each warp streams 16 weight rows (MMA M)
     k_step: int = 128  # K per pipeline stage
-    stages: int = 6  # ring depth: 6 x 40 bytes x 256 threads = 60 KB in flight per CTA
+    stages: int = 6  # ring depth: 6 x 40 bytes per thread in flight
     token_elems: int = 32768  # bf16 elements of the shared token tile (64 KB): tokens x K-chunk
 
+    @property
+    def rows(self) -> int:
+        return 16 * self.warps
 
-CONFIG = StreamConfig()
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+CONFIG = StreamConfig()  # GEMM1: 128 rows, one 64-row up/gate pair of the interleave
+NARROW = StreamConfig(warps=4)  # GEMM2: 64 rows, twice the CTAs (two fit an SM) where N is short
 TOKEN_TILES = (8, 64)  # the routing tiles the kernels are compiled for (tokens per CTA)
 
 BF16X2_2P63 = 0x5F005F00  # bf16 2^63 in both halves
@@ -63,87 +71,94 @@ def row_pitch(tokens: int) -> int:
 
 
 class Smem(NamedTuple):
+    threads: int
     weights: Int32  # shared address of the weight ring: stages x threads x 32 bytes
     scales: Int32  # stages x threads x 8 bytes
+    scale_lut: Int32  # 256 x bf16x2: scale byte -> (scale * 2^63, scale * 2^63)
     tokens: Int32  # the token tile
     out: cute.Tensor  # fp32 [tokens, rows] accumulator tile, over the token tile (used after the mainloop)
 
 
-def allocate(tokens: int) -> Smem:
-    c = CONFIG
+def allocate(tokens: int, c: StreamConfig) -> Smem:
     smem = cutlass.utils.SmemAllocator()
     ring_w = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(c.stages * c.threads * 32), 16)
     ring_s = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(c.stages * c.threads * 8), 16)
+    lut = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(256 * 4), 16)
     tile_bytes = max(tokens * row_pitch(tokens), tokens * (c.rows + 4) * 4)
     tile = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(tile_bytes), 16)
     out = cute.make_tensor(cute.recast_ptr(tile.iterator, dtype=Float32),
                            cute.make_layout((tokens, c.rows), stride=(c.rows + 4, 1)))
-    return Smem(ring_w.iterator.toint(), ring_s.iterator.toint(), tile.iterator.toint(), out)
+    return Smem(c.threads, ring_w.iterator.toint(), ring_s.iterator.toint(), lut.iterator.toint(), tile.iterator.toint(), out)
+
+
+def fill_scale_lut(sm: Smem, tid, block: int) -> None:
+    """Each thread writes the entries of scale bytes tid, tid + threads, ... (e4m3 for NVFP4, ue8m0 for MXFP4); a
+    barrier must follow before the first consume_step. A lookup is one shared load where the conversion was ~15
+    instructions."""
+    for i in range(256 // sm.threads):
+        code = tid + i * sm.threads
+        value = (e4m3_to_f32(code) if block == 16 else ue8m0_to_f32(code)) * Float32(TWO_P63)
+        ptx.st_shared_b32(sm.scale_lut + code * 4, ptx.pack_bf16x2(value, value))
 
 
 class WeightRows(NamedTuple):
-    """The two weight rows (r, r + 8) a thread streams, and where their bytes and scales start."""
+    """Where a thread's two weight rows (r, r + 8) and their scale groups are at K = 0; each 128-K step moves the
+    bytes by 64 and the scale groups by `sf_step` (two 4-block tiles of the 128x4 layout for NVFP4, one for
+    MXFP4)."""
 
-    row0: Int64  # global byte address of row r at K = 0
+    row0: Int64  # global address of this thread's 16 bytes of row r in step 0
     row1: Int64
-    sf: Int64  # global address of the scale bytes (the 128x4-swizzled tensor)
-    expert: Int32
-    r: Int32
-    rows_per_expert: Int32
-    k_extent: Int32
+    sf0: Int64  # global address of the 4 swizzled scale bytes of row r holding this thread's blocks in step 0
+    sf1: Int64
 
 
-def weight_rows(w: cute.Tensor, w_sf: cute.Tensor, expert, first_row, tid, rows_per_expert, k_extent) -> WeightRows:
+def weight_rows(w: cute.Tensor, w_sf: cute.Tensor, expert, first_row, tid, rows_per_expert, k_extent,
+                block: int) -> WeightRows:
     warp = tid // 32
     lane = tid % 32
     r = first_row + warp * 16 + lane // 4
-    base = w.iterator.toint()
     stride = Int64(k_extent // 2)
-    row0 = base + (Int64(expert) * Int64(rows_per_expert) + Int64(r)) * stride
-    return WeightRows(row0, row0 + stride * 8, w_sf.iterator.toint(), Int32(expert), r, rows_per_expert, k_extent)
+    row0 = w.iterator.toint() + (Int64(expert) * Int64(rows_per_expert) + Int64(r)) * stride + Int64((tid % 4) * 16)
+    first = 2 * (tid % 4) if block == 16 else tid % 4  # this thread's first block of a step
+    sf = w_sf.iterator.toint()
+    sf0 = sf + Int64(swizzled_sf_offset(expert, r, first - first % 4, rows_per_expert, k_extent // block))
+    sf1 = sf + Int64(swizzled_sf_offset(expert, r + 8, first - first % 4, rows_per_expert, k_extent // block))
+    return WeightRows(row0, row0 + stride * 8, sf0, sf1)
 
 
-def _scale_group(rows: WeightRows, row, k, tid, block: int) -> Int64:
-    """Address of the 4 swizzled scale bytes holding this thread's block(s) of the 128-K step at k."""
-    first = k // block + (2 * (tid % 4) if block == 16 else tid % 4)
-    offset = swizzled_sf_offset(rows.expert, row, first - first % 4, rows.rows_per_expert, rows.k_extent // block)
-    return rows.sf + Int64(offset)
+def issue_step(sm: Smem, tid, stage, rows: WeightRows, step, block: int):
+    """Start the copies of 128-K step `step`: this thread's 16 bytes of each row and their scale groups."""
+    dst = sm.weights + (stage * sm.threads + tid) * 32
+    offset = Int64(step) * Int64(CONFIG.k_step // 2)
+    ptx.cp_async_16(dst, rows.row0 + offset)
+    ptx.cp_async_16(dst + 16, rows.row1 + offset)
+    sdst = sm.scales + (stage * sm.threads + tid) * 8
+    sf_offset = Int64(step) * Int64(512 * CONFIG.k_step // block // 4)
+    ptx.cp_async_4(sdst, rows.sf0 + sf_offset)
+    ptx.cp_async_4(sdst + 4, rows.sf1 + sf_offset)
 
 
-def issue_step(sm: Smem, tid, stage, rows: WeightRows, k, block: int):
-    """Start the copies of 128-K step k (this thread's 16 bytes of each row and their scale groups)."""
-    dst = sm.weights + (stage * CONFIG.threads + tid) * 32
-    src = Int64(k // 2 + (tid % 4) * 16)
-    ptx.cp_async_16(dst, rows.row0 + src)
-    ptx.cp_async_16(dst + 16, rows.row1 + src)
-    sdst = sm.scales + (stage * CONFIG.threads + tid) * 8
-    ptx.cp_async_4(sdst, _scale_group(rows, rows.r, k, tid, block))
-    ptx.cp_async_4(sdst + 4, _scale_group(rows, rows.r + 8, k, tid, block))
-
-
-def _scale_pairs(group: Int32, tid, block: int) -> list:
-    """bf16x2 (scale * 2^63) for each of the 4 words a thread holds of one row."""
+def _scale_pairs(sm: Smem, group: Int32, tid, block: int) -> list:
+    """bf16x2 (scale * 2^63) for each of the 4 words a thread holds of one row (NVFP4: two blocks of 16, MXFP4:
+    one block of 32), looked up from the scale bytes of its 4-byte group."""
     if block == 16:
-        sel = (2 * (tid % 4)) % 4
-        lo = e4m3_to_f32((group >> (sel * 8)) & 0xFF) * Float32(TWO_P63)
-        hi = e4m3_to_f32((group >> (sel * 8 + 8)) & 0xFF) * Float32(TWO_P63)
-        lo2 = ptx.pack_bf16x2(lo, lo)
-        hi2 = ptx.pack_bf16x2(hi, hi)
-        return [lo2, lo2, hi2, hi2]
-    s = ue8m0_to_f32((group >> ((tid % 4) * 8)) & 0xFF) * Float32(TWO_P63)
-    s2 = ptx.pack_bf16x2(s, s)
+        shift = ((2 * (tid % 4)) % 4) * 8
+        lo = ptx.ld_shared_b32(sm.scale_lut + ((group >> shift) & 0xFF) * 4)
+        hi = ptx.ld_shared_b32(sm.scale_lut + ((group >> (shift + 8)) & 0xFF) * 4)
+        return [lo, lo, hi, hi]
+    s2 = ptx.ld_shared_b32(sm.scale_lut + ((group >> ((tid % 4) * 8)) & 0xFF) * 4)
     return [s2, s2, s2, s2]
 
 
 def consume_step(sm: Smem, tid, stage, tile_offset, acc: cute.Tensor, tokens: int, block: int):
     """acc += this thread's share of the 128-K step in ring slot `stage`; its tokens start at byte `tile_offset`
     of the token tile rows (the step's position inside the staged K-chunk)."""
-    slot = sm.weights + (stage * CONFIG.threads + tid) * 32
+    slot = sm.weights + (stage * sm.threads + tid) * 32
     w0 = ptx.ld_shared_v4(slot)
     w1 = ptx.ld_shared_v4(slot + 16)
-    sslot = sm.scales + (stage * CONFIG.threads + tid) * 8
-    s0 = _scale_pairs(ptx.ld_shared_b32(sslot), tid, block)
-    s1 = _scale_pairs(ptx.ld_shared_b32(sslot + 4), tid, block)
+    sslot = sm.scales + (stage * sm.threads + tid) * 8
+    s0 = _scale_pairs(sm, ptx.ld_shared_b32(sslot), tid, block)
+    s1 = _scale_pairs(sm, ptx.ld_shared_b32(sslot + 4), tid, block)
     lane = tid % 32
     t = lane % 4
     swap = (t >> 1) << 1  # the tile's 16-byte chunk swizzle (see stage_chunk)
@@ -213,6 +228,6 @@ def store_accumulators(sm: Smem, tid, acc: cute.Tensor, tokens: int) -> None:
             sm.out[nt * 8 + 2 * t + i % 2, warp * 16 + g + 8 * (i // 2)] = acc[nt * 4 + i]
 
 
-def chunk_tasks(tokens: int) -> int:
+def chunk_tasks(tokens: int, c: StreamConfig) -> int:
     """8-value chunks each thread stages per K-chunk."""
-    return tokens * k_chunk(tokens) // 8 // CONFIG.threads
+    return tokens * k_chunk(tokens) // 8 // c.threads

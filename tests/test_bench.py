@@ -1,0 +1,394 @@
+"""CPU tests of the benchmark (moe_ext.bench, moe_ext.bench_peers, moe_ext.bench_plot): byte / FLOP / roofline
+formulas on hand-computed numbers, routing statistics, CLI, record schema, the inputs it builds (accepted by the
+API, finite), the bf16 peer against a per-slot loop, the table, the plot, and the no-GPU exit."""
+import json
+import os
+import runpy
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import moe_ext
+from moe_ext import bench, bench_peers
+from moe_ext.backends import HOPPER, REFERENCE
+from moe_ext.bench_peers import bucket_counts, grouped_mm_moe, peer_swiglu, route_buckets
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED_KEYS = {"shape", "T", "quant_mode", "finalize", "impl", "us", "tbps", "tflops", "roofline_fraction",
+                 "bytes", "flops", "command", "git_rev", "gpu", "torch"}
+META = dict(command="python -m moe_ext.bench --tokens 4", git_rev="abc123-dirty", gpu="fake GPU", torch="x",
+            cuda=None)
+TINY = bench.Shape("tiny", 256, 128, 8, 2, 4, local_offset=4)  # experts 4..7 local
+
+
+# --- formulas -----------------------------------------------------------------------------------------------------
+
+def test_weight_and_activation_bytes_by_hand():
+    # H=256, I=128, N1=256: 256*256 + 256*128 = 98304 weights per expert
+    assert bench.weight_bytes_per_expert("bf16", 256, 128, 256) == 2 * 98304
+    # NVFP4: half a byte per weight + one e4m3 per 16 (no swizzle padding at these sizes)
+    assert bench.weight_bytes_per_expert("nvfp4", 256, 128, 256) == 49152 + 6144
+    # MXFP4: one ue8m0 per 32
+    assert bench.weight_bytes_per_expert("mxfp4", 256, 128, 256) == 49152 + 3072
+    assert bench.activation_bytes_per_token("bf16", 256) == 512
+    assert bench.activation_bytes_per_token("nvfp4", 256) == 128 + 16
+    assert bench.activation_bytes_per_token("mxfp8", 256) == 256 + 8
+
+
+def test_swizzle_padding_is_counted():
+    # H=64: FC2's 64 scale rows still occupy one 128-row tile, so the bytes stored (and read) are padded
+    padded = bench.weight_bytes_per_expert("nvfp4", 64, 128, 256)
+    assert padded == (256 * 64 + 64 * 128) // 2 + 256 * 4 + 128 * 8
+
+
+def test_forward_bytes_flops_roofline_by_hand():
+    num_bytes = bench.forward_bytes(experts_hit=3, weight_bytes=55296, num_tokens=4, act_bytes=144, hidden=256)
+    assert num_bytes == 3 * 55296 + 4 * 144 + 4 * 256 * 2 == 168512
+    flops = bench.forward_flops(local_pairs=8, hidden=256, inter=128, n1=256)
+    assert flops == 2 * 8 * 98304 == 1572864
+    assert bench.roofline_us(num_bytes, flops) == pytest.approx(168512 / 4.15e12 * 1e6)  # memory bound
+    assert bench.roofline_us(1.0, 793e12) == pytest.approx(1e6)  # compute bound: 1 s of bf16 math
+
+
+def test_build_record_from_fake_timings():
+    point = bench.Point(TINY, 4, "moe_ext", "w4a4", "fused", 256, 128)
+    stats = bench.RoutingStats(experts_hit=3, local_pairs=8)
+    record = bench.build_record(point, [12.0, 10.0, 11.0, 50.0, 9.0], stats, META, graphs=4)
+    assert REQUIRED_KEYS <= record.keys()
+    assert record["us"] == 11.0 and record["us_min"] == 9.0 and record["samples"] == 5
+    assert record["bytes"] == 168512 and record["flops"] == 1572864
+    assert record["tbps"] == pytest.approx(168512 / 11e-6 / 1e12)
+    assert record["tflops"] == pytest.approx(1572864 / 11e-6 / 1e12)
+    assert record["roofline_fraction"] == pytest.approx(record["roofline_us"] / 11.0)
+    assert record["git_rev"] == "abc123-dirty" and record["graphs"] == 4 and "padded_from" not in record
+    json.dumps(record)  # serialisable as is
+
+
+def test_peer_and_failure_records_have_the_identity_keys():
+    peer = bench.peer_point(TINY, 4, "torch_grouped_mm_bf16")
+    record = bench.build_record(peer, [20.0], bench.RoutingStats(3, 8), META)
+    assert record["quant_mode"] == "bf16" and record["impl"] == "torch_grouped_mm_bf16"
+    assert record["bytes"] == 3 * 2 * 98304 + 4 * 512 + 4 * 512
+    failed = bench.failure_record(bench.Point(TINY, 4, "moe_ext", "w4a8", "deterministic", 256, 128), "error",
+                                  "OutOfMemoryError: boom", META)
+    assert {"shape", "T", "quant_mode", "finalize", "impl", "error", "command", "git_rev", "gpu"} <= failed.keys()
+
+
+def test_padded_dims_come_from_the_validator():
+    gpt_oss = bench.SHAPES["gpt-oss-120b"]
+    assert "multiple of 128" in bench.kernel_rejection(gpt_oss, "w4a16", 2880, 2880)  # H = 2880 is refused
+    assert bench.supported_dims(gpt_oss, "w4a16") == (2944, 2880)  # the validator alone takes I % 64 for w4a16
+    assert bench.supported_dims(gpt_oss, "w4a8") == (2944, 2944)  # and I % 128 for w4a8
+    assert bench.supported_dims(bench.SHAPES["qwen3-30b-a3b"], "w4a4") == (2048, 768)
+    point = bench.Point(gpt_oss, 1, "moe_ext", "w4a8", "fused", 2944, 2944)
+    assert point.identity()["padded_from"] == [2880, 2880]
+
+
+def test_padded_dims_follow_the_backend_on_a_device(monkeypatch):
+    """On a device the backend's choice counts too: dims it would send to the reference path are padded on."""
+    def kernels_need_i_multiple_of_128(problem):  # stands in for the sm_90a backend's own rule
+        if problem.intermediate_size % 128:
+            warnings.warn("the sm_90a kernels need I % 128 == 0")
+            return REFERENCE
+        return HOPPER
+
+    monkeypatch.setattr(bench, "backend_for", kernels_need_i_multiple_of_128)
+    gpt_oss = bench.SHAPES["gpt-oss-120b"]
+    assert bench.kernel_rejection(gpt_oss, "w4a16", 2944, 2880, "cpu") == "the sm_90a kernels need I % 128 == 0"
+    assert bench.supported_dims(gpt_oss, "w4a16", "cpu") == (2944, 2944)
+
+
+def test_no_kernels_on_this_device_is_a_reason():
+    reason = bench.kernel_rejection(bench.SHAPES["qwen3-30b-a3b"], "w4a4", 2048, 768, "cpu")
+    assert "reference" in reason and "not the sm_90a kernels" in reason
+
+
+def test_rotation_and_budget_helpers():
+    l2 = 50 * 2 ** 20
+    assert bench.rotation_count(19e6, l2) == 7  # ceil(2 * 52.4 MB / 19 MB) + 1
+    assert bench.rotation_count(1e9, l2) == 4  # the minimum
+    assert bench.rotation_count(0.0, l2) == 32  # the maximum
+    assert bench.weight_copies(3 * l2, l2) == 1
+    assert bench.weight_copies(30e6, l2) == 5  # 4 other copies stream >= 2x L2
+    assert bench.budgeted_count(100, 1e5, 5.0, 5) == 50
+    assert bench.budgeted_count(100, 10.0, 5.0, 5) == 100
+    assert bench.budgeted_count(100, 1e7, 5.0, 5) == 5
+    assert bench.expected_experts_hit(1, bench.SHAPES["deepseek-v3-ep8"]) == pytest.approx(1.0)
+
+
+# --- routing ------------------------------------------------------------------------------------------------------
+
+def test_experts_hit_and_local_pairs_from_routing():
+    ids = torch.tensor([[0, 5], [5, 7], [2, 0]], dtype=torch.int32)
+    assert route_buckets(ids, 4, 4).tolist() == [4, 1, 1, 3, 4, 4]  # 4 = another rank's expert
+    assert bucket_counts(route_buckets(ids, 4, 4), 4).tolist() == [0, 2, 0, 1, 3]
+    assert bench.routing_stats([ids], 4, 4) == bench.RoutingStats(experts_hit=2, local_pairs=3)  # 5, 7
+    assert bench.routing_stats([ids], 4, 0) == bench.RoutingStats(experts_hit=2, local_pairs=3)  # 0, 2
+    other = torch.tensor([[1, 2], [3, 0], [1, 0]], dtype=torch.int32)
+    assert bench.routing_stats([ids, other], 4, 0) == bench.RoutingStats(experts_hit=3, local_pairs=4.5)
+
+
+def test_random_routing_is_a_renormalised_softmax_top_k():
+    first = bench.random_routing(64, bench.SHAPES["qwen3-30b-a3b"], seed=7, device="cpu")
+    again = bench.random_routing(64, bench.SHAPES["qwen3-30b-a3b"], seed=7, device="cpu")
+    assert first.ids.dtype == torch.int32 and first.ids.shape == (64, 8)
+    assert torch.equal(first.ids, again.ids)  # same seed, same routing for every implementation
+    assert all(len(set(row)) == 8 for row in first.ids.tolist())
+    assert torch.allclose(first.weights.sum(-1), torch.ones(64))
+    expected = torch.softmax(first.logits, -1).gather(1, first.ids.long())
+    assert torch.allclose(first.weights, expected / expected.sum(-1, keepdim=True))
+
+
+@pytest.mark.parametrize("mode", bench.QUANT_MODES)
+def test_generated_inputs_run_through_the_api(mode):
+    """What the benchmark feeds moe_ext is accepted by the API and gives finite outputs (reference path here)."""
+    shape = bench.Shape("tiny-oai", 128, 128, 8, 2, 4, "swiglu_oai", local_offset=2)
+    point = bench.Point(shape, 5, "moe_ext", mode, "deterministic", *bench.supported_dims(shape, mode))
+    routing = bench.random_routing(5, shape, seed=3, device="cpu")
+    inputs = bench.moe_ext_inputs(routing, point.hidden, mode, "cpu")
+    weights = bench.random_moe_ext_weights(point, "cpu", torch.Generator().manual_seed(0))
+    wrapper = moe_ext.CuteDslMoEWrapper(shape.num_experts, shape.top_k, point.hidden, point.inter, max_num_tokens=5,
+                                        num_local_experts=shape.num_local, local_expert_offset=shape.local_offset,
+                                        device="cpu", quant_mode=mode, use_fused_finalize=False,
+                                        **shape.wrapper_kwargs())
+    out = wrapper.run(**inputs, **weights)
+    assert out.shape == (5, 128) and torch.isfinite(out).all() and out.abs().max() > 0
+
+
+def test_scale_bytes_are_near_one_sixty_fourth():
+    g = torch.Generator().manual_seed(0)
+    nvfp4 = moe_ext.quant.e4m3_decode(bench.random_scale_bytes(4096, "nvfp4", "cpu", g))
+    mx = bench.random_scale_bytes(4096, "mxfp4", "cpu", g)
+    assert nvfp4.min() >= 1 / 160 and nvfp4.max() <= 1 / 28
+    assert set(mx.unique().tolist()) <= {120, 121, 122}  # ue8m0 code 121 = 2^-6
+
+
+# --- the bf16 peer --------------------------------------------------------------------------------------------------
+
+def _grouped_mm_on_cpu() -> bool:
+    try:
+        a = torch.zeros(4, 16, dtype=torch.bfloat16)
+        torch._grouped_mm(a, torch.zeros(2, 16, 16, dtype=torch.bfloat16), offs=torch.tensor([2, 4],
+                                                                                           dtype=torch.int32))
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _grouped_mm_on_cpu(), reason="torch._grouped_mm has no CPU implementation here")
+@pytest.mark.parametrize("activation", ["swiglu", "swiglu_oai"])
+def test_grouped_mm_peer_matches_a_per_slot_loop(activation):
+    g = torch.Generator().manual_seed(0)
+    experts, hidden, inter, tokens, offset = 4, 32, 32, 6, 2
+    ids = torch.tensor([[2, 3], [0, 5], [4, 2], [1, 0], [5, 3], [3, 2]], dtype=torch.int32)  # 0, 1: not local
+    router = torch.rand(tokens, 2, generator=g)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    w1 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.2).bfloat16()
+    act = bench.ACTIVATIONS[activation]
+    out = grouped_mm_moe(x, ids, router, w1, w2, offset, act)
+    expected = torch.zeros(tokens, hidden)
+    for t in range(tokens):
+        for k in range(2):
+            e = int(ids[t, k]) - offset
+            if 0 <= e < experts:
+                h = x[t].float() @ w1[e].float().T
+                expected[t] += router[t, k] * (act.apply(h[:inter], h[inter:]) @ w2[e].float().T)
+    assert out.shape == (tokens, hidden) and out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "swiglu_oai"])
+def test_peer_swiglu_is_the_specified_activation(activation):
+    h = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)) * 6
+    act = bench.ACTIVATIONS[activation]
+    assert torch.allclose(peer_swiglu(h, act), act.apply(h[:, :32], h[:, 32:]), atol=1e-5, rtol=1e-5)
+
+
+# --- the sweep, without a GPU ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def eager_sweep(monkeypatch, tmp_path):
+    """The sweep's bookkeeping without a GPU: graphs become eager calls, timing fixed samples, moe_ext runs its
+    reference path. Returns a factory of Run objects writing to tmp_path/r.json."""
+    # "capture" runs the first and last forward only (different input set and weight copy): enough to check them
+    monkeypatch.setattr(bench, "capture_graphs", lambda forwards: (forwards, [forwards[0](), forwards[-1]()]))
+    monkeypatch.setattr(bench, "time_replays", lambda graphs, *args: [7.0, 8.0, 9.0])
+    monkeypatch.setattr(bench, "backend_for", lambda problem: HOPPER)  # "the kernels would run it"
+    monkeypatch.setattr(bench, "release_memory", lambda: None)  # gc.collect per point: slow, and no GPU memory
+
+    def make(*argv):
+        args = bench.parse_args([*argv, "--out", str(tmp_path / "r.json")])
+        return bench.Run(args, torch.device("cpu"), 64 * 1024, META, [])  # a 64 KiB "L2" makes copies rotate
+
+    return make
+
+
+def test_sweep_records_every_point(eager_sweep, tmp_path):
+    shape = bench.Shape("tiny-ep", 128, 128, 8, 2, 4, local_offset=4)
+    run = eager_sweep("--tokens", "1,3", "--modes", "w4a16,w4a8", "--finalize", "deterministic",
+                      "--impls", "moe_ext,torch_grouped_mm_bf16,triton_kernels_mxfp4")
+    bench.run_shape(run, shape)
+    records = json.loads((tmp_path / "r.json").read_text())
+    assert records == run.records
+    moe = [r for r in records if r["impl"] == "moe_ext"]
+    assert sorted((r["T"], r["quant_mode"]) for r in moe) == [(1, "w4a16"), (1, "w4a8"), (3, "w4a16"), (3, "w4a8")]
+    for r in moe:
+        assert REQUIRED_KEYS <= r.keys() and r["us"] == 8.0 and r["output_finite"]
+        assert r["weight_copies"] == 3 and r["graphs"] >= 4  # 110 KB of weights < 2x the 64 KiB "L2"
+    peer = [r for r in records if r["impl"] == "torch_grouped_mm_bf16"]
+    assert [r["T"] for r in peer] == [1, 3]
+    if _grouped_mm_on_cpu():
+        assert all(r["output_finite"] and r["quant_mode"] == "bf16" for r in peer)
+    triton = [r for r in records if r["impl"] == "triton_kernels_mxfp4"]
+    assert [r["T"] for r in triton] == [1, 3] and all("expert-parallel" in r["skipped"] for r in triton)
+    hits = {(r["T"], r["experts_hit"]) for r in records if "experts_hit" in r}
+    assert len(hits) == 2  # every implementation of one T saw the same routing
+
+
+def test_sweep_records_a_missing_peer_as_skipped(eager_sweep):
+    if bench_peers.triton_kernels_unavailable() is None:
+        pytest.skip("triton_kernels is installed here")
+    shape = bench.Shape("tiny", 128, 128, 4, 2, 4)
+    run = eager_sweep("--tokens", "2")
+    routing = bench.random_routing(2, shape, seed=0, device="cpu")
+    bench.run_triton_kernels(run, shape, 2, [routing], bench.routing_stats([routing.ids], 4, 0))
+    (record,) = run.records
+    assert record["impl"] == "triton_kernels_mxfp4" and "import triton_kernels failed" in record["skipped"]
+
+
+def test_sweep_turns_a_failure_into_an_error_record(eager_sweep, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(bench, "measure_moe_ext", out_of_memory)
+    run = eager_sweep("--tokens", "1", "--modes", "w4a4", "--impls", "moe_ext,torch_grouped_mm_bf16")
+    bench.run_shape(run, bench.Shape("tiny", 128, 128, 4, 2, 4))
+    errors = [r for r in run.records if "error" in r]
+    assert [r["finalize"] for r in errors] == ["fused", "deterministic"]
+    assert errors[0]["error"].startswith("OutOfMemoryError")
+    assert run.records[-1]["impl"] == "torch_grouped_mm_bf16"  # the sweep went on
+
+
+def test_sweep_without_kernels_skips_moe_ext_with_the_reason(eager_sweep, monkeypatch):
+    monkeypatch.setattr(bench, "backend_for", lambda problem: REFERENCE)
+    run = eager_sweep("--tokens", "1,2", "--modes", "w4a4", "--finalize", "fused", "--impls", "moe_ext")
+    bench.run_shape(run, bench.Shape("tiny", 128, 128, 4, 2, 4))
+    assert [(r["T"], r["impl"]) for r in run.records] == [(1, "moe_ext"), (2, "moe_ext")]
+    assert all("not the sm_90a kernels" in r["skipped"] for r in run.records)
+
+
+def test_sweep_skips_points_over_the_weight_limit(eager_sweep):
+    run = eager_sweep("--tokens", "1", "--modes", "w4a16", "--finalize", "fused", "--max-weight-gb", "0.00001",
+                      "--impls", "moe_ext,torch_grouped_mm_bf16")
+    bench.run_shape(run, bench.Shape("tiny", 128, 128, 4, 2, 4))
+    assert [("--max-weight-gb" in r["skipped"]) for r in run.records] == [True, True]
+
+
+# --- command line, table, metadata --------------------------------------------------------------------------------
+
+def test_cli_defaults_and_selection():
+    args = bench.parse_args([])
+    assert args.shapes == list(bench.SHAPES) and args.tokens == [1, 8, 64, 256, 1024, 4096, 16384]
+    assert args.modes == ["w4a16", "w4a4", "w4a8"] and args.finalize == ["fused", "deterministic"]
+    assert args.impls == list(bench.IMPLS) and args.out == bench.DEFAULT_OUT and not args.host_overhead
+    args = bench.parse_args(["--shapes", "mixtral-8x7b,qwen3-30b-a3b", "--tokens", "1,64", "--modes", "w4a4",
+                             "--finalize", "deterministic", "--impls", "moe_ext,torch_grouped_mm_bf16",
+                             "--max-weight-gb", "12.5", "--iters", "20", "--warmup", "3", "--plot", "r.png"])
+    assert args.shapes == ["mixtral-8x7b", "qwen3-30b-a3b"] and args.tokens == [1, 64] and args.modes == ["w4a4"]
+    assert args.finalize == ["deterministic"] and args.impls == ["moe_ext", "torch_grouped_mm_bf16"]
+    assert (args.max_weight_gb, args.iters, args.warmup, args.plot) == (12.5, 20, 3, "r.png")
+    assert bench.parse_args(["--host-overhead"]).out == bench.DEFAULT_HOST_OUT
+
+
+@pytest.mark.parametrize("bad", [["--shapes", "llama"], ["--modes", "w8a8"], ["--tokens", "0"],
+                                 ["--tokens", "a,b"], ["--impls", "cublas"], ["--finalize", "atomic"],
+                                 ["--iters", "0"]])
+def test_cli_rejects_bad_values(bad, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(bad)
+    assert bad[0] in capsys.readouterr().err
+
+
+def test_metadata_names_command_and_tree():
+    meta = bench.run_metadata(["--tokens", "1", "--out", "a b.json"], "NVIDIA H200")
+    assert meta["command"] == "python -m moe_ext.bench --tokens 1 --out 'a b.json'"
+    assert meta["gpu"] == "NVIDIA H200" and meta["torch"] == torch.__version__
+    assert meta["git_rev"] == "unknown" or len(meta["git_rev"].removesuffix("-dirty")) == 40
+
+
+def test_table_shows_speedup_over_each_peer():
+    stats = bench.RoutingStats(3, 8)
+    ours = bench.build_record(bench.Point(TINY, 4, "moe_ext", "w4a4", "fused", 256, 128), [10.0], stats, META)
+    peer = bench.build_record(bench.peer_point(TINY, 4, "torch_grouped_mm_bf16"), [25.0], stats, META)
+    failed = bench.failure_record(bench.peer_point(TINY, 4, "triton_kernels_mxfp4"), "skipped", "not installed",
+                                  META)
+    table = bench.format_table([peer, ours, failed])
+    lines = table.splitlines()
+    assert "vs torch_grouped_mm_bf16" in lines[0] and "vs triton" not in lines[0]  # only peers that were measured
+    assert lines[1].split()[2] == "moe_ext" and lines[1].rstrip().endswith("2.50x")
+    assert "skipped: not installed" in table
+    assert ours["speedup_vs"] == {"torch_grouped_mm_bf16": 2.5} and "speedup_vs" not in peer  # also in the JSON
+
+
+def test_records_are_written_as_a_json_list(tmp_path):
+    out = tmp_path / "sub" / "r.json"
+    bench.write_records([{"a": 1}], str(out))
+    assert json.loads(out.read_text()) == [{"a": 1}] and not (tmp_path / "sub" / "r.json.tmp").exists()
+
+
+# --- plot ---------------------------------------------------------------------------------------------------------
+
+def _fake_results(tmp_path) -> Path:
+    stats = bench.RoutingStats(3, 8)
+    records = [bench.build_record(bench.Point(TINY, t, "moe_ext", "w4a16", "fused", 256, 128), [5.0 * t], stats, META)
+               for t in (1, 8)]
+    records.append(bench.build_record(bench.peer_point(bench.SHAPES["qwen3-30b-a3b"], 8, "torch_grouped_mm_bf16"),
+                                      [40.0], stats, META))
+    records.append(bench.failure_record(bench.peer_point(TINY, 1, "triton_kernels_mxfp4"), "skipped", "no", META))
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from moe_ext import bench_plot
+
+    results = _fake_results(tmp_path)
+    assert bench_plot.main([str(results), "--out", str(tmp_path / "roof.png")]) == 0
+    assert (tmp_path / "roof.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bench.write_plot(json.loads(results.read_text()), str(tmp_path / "from_bench.png"))  # what --plot does
+    assert (tmp_path / "from_bench.png").stat().st_size > 0
+
+
+def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
+    from moe_ext import bench_plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert bench_plot.main([str(_fake_results(tmp_path))]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+
+
+# --- no GPU -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without a GPU prints")
+def test_no_gpu_exits_with_a_message(capsys, tmp_path):
+    assert bench.main(["--out", str(tmp_path / "r.json")]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without a GPU prints")
+@pytest.mark.parametrize("script", ["benchmarks/bench_moe.py", "moe_ext/bench.py"])
+def test_entry_points_without_gpu_exit_cleanly(script, monkeypatch, capsys):
+    """Both entry points run as __main__ (in-process: a subprocess would spend seconds importing torch) and end
+    with exit status 2 and the message, not an exception."""
+    monkeypatch.setattr(sys, "argv", [script, "--tokens", "1", "--out", os.devnull])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(ROOT / script), run_name="__main__")
+    assert exited.value.code == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
