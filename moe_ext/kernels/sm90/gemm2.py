@@ -25,7 +25,7 @@ MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 def make_kernel(mode: str, tokens: int):
     a_format = {"w4a16": "bf16", "w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}[mode]
     b_block = 32 if mode == "w4a8" else 16
-    cfg = streaming.NARROW
+    cfg = streaming.config_for(tokens)
     k_chunk = streaming.k_chunk(tokens)
     chunk_cols = k_chunk // 8
     cols_per_thread = cfg.rows * tokens // cfg.threads  # epilogue: output columns per thread
@@ -45,17 +45,20 @@ def make_kernel(mode: str, tokens: int):
             row0 = tile * tokens
             all_rows = cute.size(permuted_to_expanded)
             sm = streaming.allocate(tokens, cfg)
-            rows = streaming.weight_rows(w2, w2_sf, expert, n_tile * cfg.rows, tid, hidden, inter, b_block)
+            rows = streaming.weight_rows(w2, w2_sf, expert, n_tile * cfg.rows, tid, hidden, inter, b_block, cfg)
             streaming.fill_scale_lut(sm, tid, b_block)
-            acc = cute.make_rmem_tensor((tokens // 8 * 4,), Float32)
+            acc = cute.make_rmem_tensor((streaming.accumulator_size(tokens),), Float32)
             acc.fill(0.0)
             steps = inter // cfg.k_step
+            # K slice `part` takes steps part, part + k_slices, ...: its j-th step is j * k_slices + part.
+            part = tid // (cfg.threads // cfg.k_slices)
+            my_steps = (steps - part + cfg.k_slices - 1) // cfg.k_slices
             for s in cutlass.range_constexpr(cfg.stages - 1):
-                if s < steps:
-                    streaming.issue_step(sm, tid, s, rows, s, b_block)
+                if s < my_steps:
+                    streaming.issue_step(sm, tid, s, rows, s * cfg.k_slices + part, b_block)
                 ptx.cp_async_commit()
-            for q in cutlass.range(steps):
-                k = q * cfg.k_step
+            for j in cutlass.range((steps + cfg.k_slices - 1) // cfg.k_slices):
+                k = j * cfg.k_slices * cfg.k_step
                 if k % k_chunk == 0:
                     # Stage the FC2-input rows of this K-chunk, decoded to bf16, in the tile order.
                     cute.arch.sync_threads()
@@ -80,15 +83,19 @@ def make_kernel(mode: str, tokens: int):
                             values = streaming.mxfp8x8_to_tile(lo_hi[0], lo_hi[1], scale)
                         streaming.store_chunk(sm, tokens, r, c, values, valid)
                     cute.arch.sync_threads()
-                if q + cfg.stages - 1 < steps:
-                    streaming.issue_step(sm, tid, (q + cfg.stages - 1) % cfg.stages, rows, q + cfg.stages - 1,
-                                         b_block)
+                if j + cfg.stages - 1 < my_steps:
+                    streaming.issue_step(sm, tid, (j + cfg.stages - 1) % cfg.stages, rows,
+                                         (j + cfg.stages - 1) * cfg.k_slices + part, b_block)
                 ptx.cp_async_commit()
                 ptx.cp_async_wait(cfg.stages - 1)
-                streaming.consume_step(sm, tid, q % cfg.stages, (k % k_chunk) * 2, acc, tokens, b_block)
+                if j < my_steps:
+                    streaming.consume_step(sm, tid, j % cfg.stages, (k % k_chunk + part * cfg.k_step) * 2, acc,
+                                           tokens, b_block)
             cute.arch.sync_threads()
-            streaming.store_accumulators(sm, tid, acc, tokens)
-            cute.arch.sync_threads()
+            for sl in cutlass.range_constexpr(cfg.k_slices):
+                if part == sl:
+                    streaming.store_accumulators(sm, tid, acc, tokens, cfg, add=sl > 0)
+                cute.arch.sync_threads()
             s_c = sm.out
 
             # Epilogue: thread -> (token row, cols_per_thread consecutive output columns).

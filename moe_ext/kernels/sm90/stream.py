@@ -37,7 +37,8 @@ from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
 
 @dataclass(frozen=True)
 class StreamConfig:
-    warps: int = 8  # each warp streams 16 weight rows (MMA M)
+    warps: int = 8  # each warp streams 16 weight rows (MMA M): 128 rows, one 64-row up/gate pair of the interleave
+    k_slices: int = 1  # warp groups that take alternate 128-K steps of the same rows (summed at the end)
     k_step: int = 128  # K per pipeline stage
     stages: int = 6  # ring depth: 6 x 40 bytes per thread in flight
     token_elems: int = 32768  # bf16 elements of the shared token tile (64 KB): tokens x K-chunk
@@ -48,11 +49,24 @@ class StreamConfig:
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps
+        return 32 * self.warps * self.k_slices
 
 
-CONFIG = StreamConfig()  # GEMM1: 128 rows, one 64-row up/gate pair of the interleave
-NARROW = StreamConfig(warps=4)  # GEMM2: 64 rows, twice the CTAs (two fit an SM) where N is short
+def config_for(tokens: int) -> StreamConfig:
+    """Decode tiles (8 tokens) are latency-bound: one warp's step is a chain of dependent shared loads, decode and
+    MMAs, so two warp groups split K (twice the bytes in flight per CTA). Larger tiles have MMA work enough."""
+    return StreamConfig(k_slices=2 if tokens <= 8 else 1)
+
+
+def chains(tokens: int) -> int:
+    """Independent accumulator sets per n-tile: with one n-tile, four sets break the MMA dependency chain."""
+    return 4 if tokens <= 8 else 1
+
+
+def accumulator_size(tokens: int) -> int:
+    return chains(tokens) * tokens // 8 * 4
+
+
 TOKEN_TILES = (8, 64)  # the routing tiles the kernels are compiled for (tokens per CTA)
 
 BF16X2_2P63 = 0x5F005F00  # bf16 2^63 in both halves
@@ -62,7 +76,7 @@ TWO_P63 = 9.223372036854775808e18
 
 def k_chunk(tokens: int) -> int:
     """K values of the token tile staged at a time."""
-    return min(4096, CONFIG.token_elems // tokens)
+    return min(4096, StreamConfig.token_elems // tokens)
 
 
 def row_pitch(tokens: int) -> int:
@@ -95,8 +109,8 @@ def fill_scale_lut(sm: Smem, tid, block: int) -> None:
     """Each thread writes the entries of scale bytes tid, tid + threads, ... (e4m3 for NVFP4, ue8m0 for MXFP4); a
     barrier must follow before the first consume_step. A lookup is one shared load where the conversion was ~15
     instructions."""
-    for i in range(256 // sm.threads):
-        code = tid + i * sm.threads
+    for i in range(max(1, 256 // sm.threads)):
+        code = (tid + i * sm.threads) % 256
         value = (e4m3_to_f32(code) if block == 16 else ue8m0_to_f32(code)) * Float32(TWO_P63)
         ptx.st_shared_b32(sm.scale_lut + code * 4, ptx.pack_bf16x2(value, value))
 
@@ -113,8 +127,8 @@ class WeightRows(NamedTuple):
 
 
 def weight_rows(w: cute.Tensor, w_sf: cute.Tensor, expert, first_row, tid, rows_per_expert, k_extent,
-                block: int) -> WeightRows:
-    warp = tid // 32
+                block: int, c: StreamConfig) -> WeightRows:
+    warp = (tid // 32) % c.warps
     lane = tid % 32
     r = first_row + warp * 16 + lane // 4
     stride = Int64(k_extent // 2)
@@ -129,11 +143,11 @@ def weight_rows(w: cute.Tensor, w_sf: cute.Tensor, expert, first_row, tid, rows_
 def issue_step(sm: Smem, tid, stage, rows: WeightRows, step, block: int):
     """Start the copies of 128-K step `step`: this thread's 16 bytes of each row and their scale groups."""
     dst = sm.weights + (stage * sm.threads + tid) * 32
-    offset = Int64(step) * Int64(CONFIG.k_step // 2)
+    offset = Int64(step) * Int64(StreamConfig.k_step // 2)
     ptx.cp_async_16(dst, rows.row0 + offset)
     ptx.cp_async_16(dst + 16, rows.row1 + offset)
     sdst = sm.scales + (stage * sm.threads + tid) * 8
-    sf_offset = Int64(step) * Int64(512 * CONFIG.k_step // block // 4)
+    sf_offset = Int64(step) * Int64(512 * StreamConfig.k_step // block // 4)
     ptx.cp_async_4(sdst, rows.sf0 + sf_offset)
     ptx.cp_async_4(sdst + 4, rows.sf1 + sf_offset)
 
@@ -170,11 +184,12 @@ def consume_step(sm: Smem, tid, stage, tile_offset, acc: cute.Tensor, tokens: in
         for nt in range(tokens // 8):
             b = ptx.ld_shared_v4(row_base + nt * 8 * row_pitch(tokens) + chunk * 16)
             for h in range(2):
-                c = [acc[nt * 4 + i] for i in range(4)]
+                base = ((2 * j + h) % chains(tokens) * (tokens // 8) + nt) * 4
+                c = [acc[base + i] for i in range(4)]
                 d = ptx.mma_bf16_16816([a0[2 * h], a1[2 * h], a0[2 * h + 1], a1[2 * h + 1]],
                                        [b[2 * h], b[2 * h + 1]], c)
                 for i in range(4):
-                    acc[nt * 4 + i] = d[i]
+                    acc[base + i] = d[i]
 
 
 def tile_address(sm: Smem, tokens: int, row, chunk) -> Int32:
@@ -217,15 +232,20 @@ def store_chunk(sm: Smem, tokens: int, row, chunk, values: list, valid) -> None:
     ptx.st_shared_v4(tile_address(sm, tokens, row, chunk), v[0], v[1], v[2], v[3])
 
 
-def store_accumulators(sm: Smem, tid, acc: cute.Tensor, tokens: int) -> None:
-    """Registers -> sm.out[token, weight row] (call between barriers: it overwrites the token tile)."""
-    warp = tid // 32
+def store_accumulators(sm: Smem, tid, acc: cute.Tensor, tokens: int, c: StreamConfig, add: bool) -> None:
+    """Registers (all chains summed) -> sm.out[token, weight row], written or added (the K slices take turns,
+    between barriers, so the sum has a fixed order)."""
+    warp = (tid // 32) % c.warps
     lane = tid % 32
     g = lane // 4
     t = lane % 4
     for nt in range(tokens // 8):
         for i in range(4):
-            sm.out[nt * 8 + 2 * t + i % 2, warp * 16 + g + 8 * (i // 2)] = acc[nt * 4 + i]
+            value = acc[nt * 4 + i]
+            for chain in range(1, chains(tokens)):
+                value = value + acc[(chain * (tokens // 8) + nt) * 4 + i]
+            at = (nt * 8 + 2 * t + i % 2, warp * 16 + g + 8 * (i // 2))
+            sm.out[at] = sm.out[at] + value if add else value
 
 
 def chunk_tasks(tokens: int, c: StreamConfig) -> int:
