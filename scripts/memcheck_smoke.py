@@ -17,7 +17,9 @@ for mode, act in (("w4a16", "situ_linear"), ("w4a16", "relu2"), ("w4a4", "swiglu
                          rank=rank, invalid_fraction=0.1).to("cuda")
         for fused in (True, False):
             kw = case.kwargs(use_fused_finalize=fused)
-            assert backend_for(build_problem(**kw)) is HOPPER
-            out = moe_ext.cute_dsl_fused_moe(**kw)
+            problem = build_problem(**kw)
+            assert backend_for(problem) is HOPPER
+            for tactic in HOPPER.tactics(problem):  # every token tile
+                out = moe_ext.cute_dsl_fused_moe(**kw, tactic=tactic)
 torch.cuda.synchronize()
 print("memcheck smoke: ok")
