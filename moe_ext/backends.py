@@ -46,8 +46,9 @@ REFERENCE = ReferenceBackend()
 @dataclass(frozen=True)
 class HopperBackend:
     """CuTe-DSL kernels for sm_90a: routing, GEMM1 (+ activation + FC2-input quantization), the per-token FC2
-    quantizer (w4a4 with per_token_scale), GEMM2, finalize. A tactic is (routing tile,): tokens per CTA of the
-    streaming GEMMs, one of the tiles the kernels were compiled for."""
+    quantizer (w4a4 with per_token_scale), GEMM2, finalize. A tactic is (routing tile, GEMM1 K split, GEMM2 K
+    split): tokens per CTA of the streaming GEMMs (a tile the kernels were compiled for) and how many CTAs of a
+    cluster share each GEMM tile's K steps."""
 
     name: str = "sm90"
 
@@ -72,19 +73,22 @@ class HopperBackend:
         return launcher.token_tiles(mode, problem.activation.kind)
 
     def tactics(self, problem: MoEProblem) -> list[Tactic]:
-        return [(t,) for t in self._tiles(problem)]
+        from . import launcher
+
+        return launcher.tactics(self._tiles(problem))
 
     def default_tactic(self, problem: MoEProblem) -> Tactic:
         from . import launcher
 
-        return (launcher.default_token_tile(problem.num_tokens, problem.top_k, problem.num_local_experts,
-                                            self._tiles(problem)),)
+        return launcher.default_tactic(problem.num_tokens, problem.top_k, problem.num_experts,
+                                       problem.num_local_experts, problem.n1, problem.hidden_size,
+                                       self._tiles(problem), launcher.num_sms(problem.device))
 
     def run(self, problem: MoEProblem, tactic: Tactic, out: torch.Tensor,
             workspace: MoEWorkspace | None = None) -> torch.Tensor:
         from . import launcher
 
-        (tile,) = tactic
+        tile, split1, split2 = tactic
         T, K = problem.num_tokens, problem.top_k
         if workspace is not None and tile in workspace.tile_sizes:
             routing = workspace.routing_buffers(T, tile)
@@ -95,7 +99,7 @@ class HopperBackend:
             buffers = launcher.KernelBuffers.allocate(problem.quant_mode, routing.permuted_to_expanded.numel(),
                                                       problem.intermediate_size, T * K, problem.hidden_size,
                                                       problem.device)
-        return launcher.forward(problem, routing, buffers, out, problem.enable_pdl)
+        return launcher.forward(problem, routing, buffers, out, problem.enable_pdl, (split1, split2))
 
 
 HOPPER = HopperBackend()

@@ -6,6 +6,7 @@ checked here, where the tensors are still torch tensors. Launches go to the curr
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -121,12 +122,42 @@ def token_tiles(mode: str, kind: str) -> tuple:
                  if has_kernel(f"moe_gemm1_{mode}_{kind}_t{t}") and has_kernel(f"moe_gemm2_{mode}_t{t}"))
 
 
-def default_token_tile(num_tokens: int, top_k: int, num_local_experts: int, tiles: tuple) -> int:
-    """The smallest tile while an expert gets about 16 rows or fewer on average (decode: the weights are streamed
-    once per tile, and small tiles keep padding rows out of the MMAs), else the largest (prefill: fewer tiles
-    re-read each expert's weights)."""
-    per_expert = num_tokens * top_k / max(1, num_local_experts)
-    return min(tiles) if per_expert <= 16 else max(tiles)
+K_SPLITS = (1, 2, 4)  # CTAs of a cluster that share one GEMM tile's K steps (cluster split-K)
+
+
+def tactics(tiles: tuple) -> list[tuple]:
+    """Hopper tactics: (routing tile, GEMM1 K split, GEMM2 K split)."""
+    return [(t, s1, s2) for t in tiles for s1 in K_SPLITS for s2 in K_SPLITS]
+
+
+def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, n1: int, hidden: int,
+                   tiles: tuple, num_sms: int) -> tuple:
+    """The heuristic for untuned shapes.
+
+    Tile: the smallest while an expert gets about 16 rows or fewer on average (decode: weights stream once per
+    tile and small tiles keep padding rows out of the MMAs), else the largest (fewer tiles re-read each expert).
+    K split: the CTAs one GEMM would launch (expected live tiles under uniform routing x N / 128) are doubled by
+    splitting K across a cluster while they still fit one per SM, so a decode step with few experts hit still
+    streams from every SM.
+    """
+    local_slots = num_tokens * top_k * num_local_experts / max(1, num_experts)
+    per_expert = local_slots / max(1, num_local_experts)
+    tile = min(tiles) if per_expert <= 16 else max(tiles)
+    # Live tiles: the expected experts hit with 50% margin (a split that overshoots one wave costs more than one
+    # that undershoots gains), never more than the slots that can be local.
+    hit = num_local_experts * (1.0 - (1.0 - 1.0 / num_local_experts) ** local_slots)
+    live = max(min(1.5 * hit, num_tokens * top_k, num_local_experts), math.ceil(local_slots / tile))
+
+    def split(rows: int) -> int:
+        ctas = max(1.0, live * rows / 128)
+        return max(s for s in K_SPLITS if s == 1 or ctas * s <= num_sms)
+
+    return tile, split(n1), split(hidden)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def activation_params(activation) -> tuple[float, float, float, float]:
@@ -187,9 +218,11 @@ def _dummies(device: torch.device) -> dict:
             for dtype in (torch.bfloat16, torch.uint8, torch.float32)}
 
 
-def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor, enable_pdl: bool) -> torch.Tensor:
+def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor, enable_pdl: bool,
+            k_splits: tuple = (1, 1)) -> torch.Tensor:
     """routing -> GEMM1 (-> per-token FC2 quantize) -> GEMM2 -> finalize on the current stream; every grid depends
-    on T only, so the sequence can be captured in a CUDA graph once and replayed for any routing."""
+    on T only, so the sequence can be captured in a CUDA graph once and replayed for any routing. `k_splits`: the
+    cluster K split of GEMM1 and GEMM2 (launcher.K_SPLITS)."""
     device = problem.device
     T, K, H, I, E = (problem.num_tokens, problem.top_k, problem.hidden_size, problem.intermediate_size,
                      problem.num_local_experts)
@@ -224,7 +257,7 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
         _check("w1_weight_sf", w.w1_sf_bytes(), u8, device, swizzled_size(E, n1, H // block), 16),
         _check("w1_alpha", problem.w1_alpha, f32, device, E), *maps,
         buf["intermediate_bf16"], buf["intermediate_q"], buf["intermediate_sf"], fc2_scale,
-    ], [H, n1, K, *activation_params(problem.activation)], enable_pdl, device)
+    ], [H, n1, K, *activation_params(problem.activation), k_splits[0]], enable_pdl, device)
     if mode == "w4a4_pt":
         launch("moe_fc2_quant_per_token", [buf["intermediate_bf16"], routing.permuted_to_expanded, fc2_scale,
                                            buf["intermediate_q"], buf["intermediate_sf"], buf["row_scale"]],
@@ -235,7 +268,7 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
         _weight_view(_check("w2_weight", w.w2, u8, device, E * H * I // 2, 16)),
         _check("w2_weight_sf", w.w2_sf_bytes(), u8, device, swizzled_size(E, H, I // block), 16),
         _check("w2_alpha", problem.w2_alpha, f32, device, E), scales, *maps, buf["slot_output"],
-    ], [H, I, problem.use_fused_finalize], enable_pdl, device)
+    ], [H, I, problem.use_fused_finalize, k_splits[1]], enable_pdl, device)
     launch("moe_finalize", [
         buf["slot_output"], _check("expanded_to_permuted", routing.expanded_to_permuted, i32, device, T * K), scales,
         _check("moe_output", out, bf16, device, T * H, 16),

@@ -75,8 +75,8 @@ class CuteDslMoEWrapper:
         from . import launcher
 
         hopper_tiles = launcher.token_tiles(self.quant_mode, self.activation.kind)
-        self.routing_tiles = (hopper_tiles if hopper_tiles and launcher.hopper_device(torch.device(device))
-                              else (tile_size,))
+        self.on_hopper = bool(hopper_tiles) and launcher.hopper_device(torch.device(device))
+        self.routing_tiles = hopper_tiles if self.on_hopper else (tile_size,)
         self.sf_vec_size = sf_vec_size  # kept for FlashInfer compatibility; the quant mode fixes the block
         self.output_dtype = output_dtype
         self.device = torch.device(device)
@@ -113,8 +113,11 @@ class CuteDslMoEWrapper:
         return self.workspace
 
     def get_valid_tactics(self) -> list[tuple]:
-        """Tactics `run(..., tactic=)` accepts for this wrapper: (routing tile,) for each tile it can run."""
-        return [(t,) for t in self.routing_tiles]
+        """Tactics `run(..., tactic=)` accepts: on Hopper (routing tile, GEMM1 K split, GEMM2 K split), on the
+        reference path (routing tile,)."""
+        from . import launcher
+
+        return launcher.tactics(self.routing_tiles) if self.on_hopper else [(t,) for t in self.routing_tiles]
 
     def run(self, x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
             fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, tactic=None, *, per_token_scale=None):

@@ -85,3 +85,18 @@ def test_autotune_on_the_api_records_a_tactic_and_explicit_tactic_is_used(tuner)
     assert torch.equal(moe_ext.cute_dsl_fused_moe(**case.kwargs(tactic=(128,))), expected)
     with pytest.raises(ValueError, match="valid tactics"):
         moe_ext.cute_dsl_fused_moe(**case.kwargs(tactic=(256, ((128, 128), (1, 1), False))))
+
+
+def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
+    from moe_ext import launcher
+
+    tiles = (8, 64)
+    # DeepSeek-V3 EP8 at T=1: about one local expert hit (1.5 with the margin): 48 (GEMM1) / 84 (GEMM2) CTAs.
+    assert launcher.default_tactic(1, 8, 256, 32, 4096, 7168, tiles, 132) == (8, 2, 1)
+    # Qwen3-30B-A3B at T=1: 8 experts x 12 / 16 CTAs already fill the GPU.
+    assert launcher.default_tactic(1, 8, 128, 128, 1536, 2048, tiles, 132) == (8, 1, 1)
+    # Mixtral at T=1: at most 2 experts hit; GEMM2 has 2 x 32 CTAs -> split 2.
+    assert launcher.default_tactic(1, 2, 8, 8, 28672, 4096, tiles, 132) == (8, 1, 2)
+    # Prefill: the large tile, no split.
+    assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132) == (64, 1, 1)
+    assert len(launcher.tactics(tiles)) == len(tiles) * len(launcher.K_SPLITS) ** 2

@@ -42,9 +42,10 @@ def make_kernel(mode: str, kind: str, tokens: int):
                      w1: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor, permuted_to_expanded: cute.Tensor,
                      tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
                      out_bf16: cute.Tensor, out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor,
-                     hidden: Int32, n1: Int32, top_k: Int32, p0: Float32, p1: Float32, p2: Float32, p3: Float32):
+                     hidden: Int32, n1: Int32, top_k: Int32, p0: Float32, p1: Float32, p2: Float32, p3: Float32,
+                     k_split: Int32):
         tid, _, _ = cute.arch.thread_idx()
-        tile, n_tile, _ = cute.arch.block_idx()
+        tile, n_tile, rank = cute.arch.block_idx()  # rank: this CTA's K range inside its cluster
         cute.arch.griddepcontrol_wait()
         if tile < num_live_tiles[0]:
             expert = tile_to_expert[tile]
@@ -55,17 +56,20 @@ def make_kernel(mode: str, kind: str, tokens: int):
             streaming.fill_scale_lut(sm, tid, b_block)
             acc = cute.make_rmem_tensor((streaming.accumulator_size(tokens),), Float32)
             acc.fill(0.0)
-            steps = hidden // cfg.k_step
-            # K slice `part` takes steps part, part + k_slices, ...: its j-th step is j * k_slices + part.
+            # The k_split CTAs of a cluster take contiguous runs of K steps; inside a CTA, K slice `part` takes
+            # every k_slices-th step of the run: its j-th step is first + j * k_slices + part.
+            first, steps = streaming.k_range(hidden // cfg.k_step, rank, k_split)
+            k_end = (first + steps) * cfg.k_step
             part = tid // (cfg.threads // cfg.k_slices)
             my_steps = (steps - part + cfg.k_slices - 1) // cfg.k_slices
             for s in cutlass.range_constexpr(cfg.stages - 1):
                 if s < my_steps:
-                    streaming.issue_step(sm, tid, s, rows, s * cfg.k_slices + part, b_block)
+                    streaming.issue_step(sm, tid, s, rows, first + s * cfg.k_slices + part, b_block)
                 ptx.cp_async_commit()
             for j in cutlass.range((steps + cfg.k_slices - 1) // cfg.k_slices):
-                k = j * cfg.k_slices * cfg.k_step
-                if k % k_chunk == 0:
+                k_run = j * cfg.k_slices * cfg.k_step  # K offset inside this CTA's run
+                k = first * cfg.k_step + k_run
+                if k_run % k_chunk == 0:
                     # Stage the gathered token rows of this K-chunk, decoded to bf16, in the tile order.
                     cute.arch.sync_threads()
                     for m in cutlass.range_constexpr(streaming.chunk_tasks(tokens, cfg)):
@@ -73,7 +77,7 @@ def make_kernel(mode: str, kind: str, tokens: int):
                         r = task // chunk_cols
                         c = task % chunk_cols
                         kk = k + c * 8
-                        valid = (row0 + r < limit) & (kk < hidden)
+                        valid = (row0 + r < limit) & (kk < k_end)
                         token = Int32(0)
                         if row0 + r < limit:
                             token = permuted_to_expanded[row0 + r] // top_k
@@ -93,17 +97,25 @@ def make_kernel(mode: str, kind: str, tokens: int):
                     cute.arch.sync_threads()
                 if j + cfg.stages - 1 < my_steps:
                     streaming.issue_step(sm, tid, (j + cfg.stages - 1) % cfg.stages, rows,
-                                         (j + cfg.stages - 1) * cfg.k_slices + part, b_block)
+                                         first + (j + cfg.stages - 1) * cfg.k_slices + part, b_block)
                 ptx.cp_async_commit()
                 ptx.cp_async_wait(cfg.stages - 1)
                 if j < my_steps:
-                    streaming.consume_step(sm, tid, j % cfg.stages, (k % k_chunk + part * cfg.k_step) * 2, acc,
+                    streaming.consume_step(sm, tid, j % cfg.stages, (k_run % k_chunk + part * cfg.k_step) * 2, acc,
                                            tokens, b_block)
             cute.arch.sync_threads()
             for sl in cutlass.range_constexpr(cfg.k_slices):
                 if part == sl:
                     streaming.store_accumulators(sm, tid, acc, tokens, cfg, add=sl > 0)
                 cute.arch.sync_threads()
+            # Cluster split-K: rank 0 adds the other ranks' tiles in rank order; they wait until it has read them.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            if rank == 0:
+                for peer in cutlass.range(1, k_split):
+                    streaming.add_peer_accumulators(sm, tid, peer, tokens, cfg)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
             s_c = sm.out
 
             # Epilogue: thread -> (token row, half of the CTA's output columns); 2 * tokens threads.
@@ -111,7 +123,7 @@ def make_kernel(mode: str, kind: str, tokens: int):
             a_half = tid % 2
             inter = n1 // 2 if gated else n1
             row = row0 + a_row
-            if a_row < tokens and row < limit:
+            if rank == 0 and a_row < tokens and row < limit:
                 token = permuted_to_expanded[row] // top_k
                 s1 = w1_alpha[expert]
                 if cutlass.const_expr(mode == "w4a4_pt"):
@@ -152,12 +164,12 @@ def make_kernel(mode: str, kind: str, tokens: int):
                tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
                out_bf16: cute.Tensor, out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor,
                hidden: Int32, n1: Int32, top_k: Int32, p0: Float32, p1: Float32, p2: Float32, p3: Float32,
-               pdl: cutlass.Boolean, stream: cuda.CUstream):
+               k_split: Int32, pdl: cutlass.Boolean, stream: cuda.CUstream):
         gemm1_kernel(x_bf16, x_q, x_sf, per_token_scale, w1, w1_sf, w1_alpha, permuted_to_expanded, tile_to_expert,
                      tile_to_mn_limit, num_live_tiles, out_bf16, out_q, out_sf, fc2_input_scale, hidden, n1, top_k,
-                     p0, p1, p2, p3).launch(
-            grid=(cute.size(tile_to_expert), n1 // cfg.rows, 1), block=(cfg.threads, 1, 1), stream=stream,
-            use_pdl=pdl)
+                     p0, p1, p2, p3, k_split).launch(
+            grid=(cute.size(tile_to_expert), n1 // cfg.rows, k_split), block=(cfg.threads, 1, 1),
+            cluster=(1, 1, k_split), stream=stream, use_pdl=pdl)
 
     return launch
 
@@ -173,4 +185,5 @@ def compile_gemm1(mode: str, kind: str, tokens: int, options: str):
         make_kernel(mode, kind, tokens), vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32),
         vector(u8, 16), vector(u8, 16), vector(Float32), vector(Int32), vector(Int32), vector(Int32), vector(Int32),
         vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32), Int32(128), Int32(256), Int32(1),
-        Float32(0), Float32(0), Float32(0), Float32(0), cutlass.Boolean(True), cuda.CUstream(0), options=options)
+        Float32(0), Float32(0), Float32(0), Float32(0), Int32(1), cutlass.Boolean(True), cuda.CUstream(0),
+        options=options)

@@ -35,9 +35,9 @@ def make_kernel(mode: str, tokens: int):
                      w2: cute.Tensor, w2_sf: cute.Tensor, w2_alpha: cute.Tensor, token_final_scales: cute.Tensor,
                      permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor,
                      num_live_tiles: cute.Tensor, slot_output: cute.Tensor, hidden: Int32, inter: Int32,
-                     router_weight_in_scale: cutlass.Boolean):
+                     router_weight_in_scale: cutlass.Boolean, k_split: Int32):
         tid, _, _ = cute.arch.thread_idx()
-        tile, n_tile, _ = cute.arch.block_idx()
+        tile, n_tile, rank = cute.arch.block_idx()  # rank: this CTA's K range inside its cluster
         cute.arch.griddepcontrol_wait()
         if tile < num_live_tiles[0]:
             expert = tile_to_expert[tile]
@@ -49,17 +49,20 @@ def make_kernel(mode: str, tokens: int):
             streaming.fill_scale_lut(sm, tid, b_block)
             acc = cute.make_rmem_tensor((streaming.accumulator_size(tokens),), Float32)
             acc.fill(0.0)
-            steps = inter // cfg.k_step
-            # K slice `part` takes steps part, part + k_slices, ...: its j-th step is j * k_slices + part.
+            # The k_split CTAs of a cluster take contiguous runs of K steps; inside a CTA, K slice `part` takes
+            # every k_slices-th step of the run: its j-th step is first + j * k_slices + part.
+            first, steps = streaming.k_range(inter // cfg.k_step, rank, k_split)
+            k_end = (first + steps) * cfg.k_step
             part = tid // (cfg.threads // cfg.k_slices)
             my_steps = (steps - part + cfg.k_slices - 1) // cfg.k_slices
             for s in cutlass.range_constexpr(cfg.stages - 1):
                 if s < my_steps:
-                    streaming.issue_step(sm, tid, s, rows, s * cfg.k_slices + part, b_block)
+                    streaming.issue_step(sm, tid, s, rows, first + s * cfg.k_slices + part, b_block)
                 ptx.cp_async_commit()
             for j in cutlass.range((steps + cfg.k_slices - 1) // cfg.k_slices):
-                k = j * cfg.k_slices * cfg.k_step
-                if k % k_chunk == 0:
+                k_run = j * cfg.k_slices * cfg.k_step  # K offset inside this CTA's run
+                k = first * cfg.k_step + k_run
+                if k_run % k_chunk == 0:
                     # Stage the FC2-input rows of this K-chunk, decoded to bf16, in the tile order.
                     cute.arch.sync_threads()
                     for m in cutlass.range_constexpr(streaming.chunk_tasks(tokens, cfg)):
@@ -67,7 +70,7 @@ def make_kernel(mode: str, tokens: int):
                         r = task // chunk_cols
                         c = task % chunk_cols
                         kk = k + c * 8
-                        valid = (row0 + r < limit) & (kk < inter)
+                        valid = (row0 + r < limit) & (kk < k_end)
                         row = cute.math.min(row0 + r, limit - 1)
                         kk = cute.math.min(kk, inter - 8)
                         if cutlass.const_expr(a_format == "bf16"):
@@ -85,24 +88,32 @@ def make_kernel(mode: str, tokens: int):
                     cute.arch.sync_threads()
                 if j + cfg.stages - 1 < my_steps:
                     streaming.issue_step(sm, tid, (j + cfg.stages - 1) % cfg.stages, rows,
-                                         (j + cfg.stages - 1) * cfg.k_slices + part, b_block)
+                                         first + (j + cfg.stages - 1) * cfg.k_slices + part, b_block)
                 ptx.cp_async_commit()
                 ptx.cp_async_wait(cfg.stages - 1)
                 if j < my_steps:
-                    streaming.consume_step(sm, tid, j % cfg.stages, (k % k_chunk + part * cfg.k_step) * 2, acc,
+                    streaming.consume_step(sm, tid, j % cfg.stages, (k_run % k_chunk + part * cfg.k_step) * 2, acc,
                                            tokens, b_block)
             cute.arch.sync_threads()
             for sl in cutlass.range_constexpr(cfg.k_slices):
                 if part == sl:
                     streaming.store_accumulators(sm, tid, acc, tokens, cfg, add=sl > 0)
                 cute.arch.sync_threads()
+            # Cluster split-K: rank 0 adds the other ranks' tiles in rank order; they wait until it has read them.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            if rank == 0:
+                for peer in cutlass.range(1, k_split):
+                    streaming.add_peer_accumulators(sm, tid, peer, tokens, cfg)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
             s_c = sm.out
 
             # Epilogue: thread -> (token row, cols_per_thread consecutive output columns).
             a_row = tid // (cfg.threads // tokens)
             part = tid % (cfg.threads // tokens)
             row = row0 + a_row
-            if row < limit:
+            if rank == 0 and row < limit:
                 slot = permuted_to_expanded[row]
                 pts2 = Float32(1.0)
                 if cutlass.const_expr(mode == "w4a4_pt"):
@@ -120,12 +131,13 @@ def make_kernel(mode: str, tokens: int):
                w2_sf: cute.Tensor, w2_alpha: cute.Tensor, token_final_scales: cute.Tensor,
                permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor,
                num_live_tiles: cute.Tensor, slot_output: cute.Tensor, hidden: Int32, inter: Int32,
-               router_weight_in_scale: cutlass.Boolean, pdl: cutlass.Boolean, stream: cuda.CUstream):
+               router_weight_in_scale: cutlass.Boolean, k_split: Int32, pdl: cutlass.Boolean,
+               stream: cuda.CUstream):
         gemm2_kernel(a_bf16, a_q, a_sf, row_scale, w2, w2_sf, w2_alpha, token_final_scales, permuted_to_expanded,
                      tile_to_expert, tile_to_mn_limit, num_live_tiles, slot_output, hidden, inter,
-                     router_weight_in_scale).launch(
-            grid=(cute.size(tile_to_expert), hidden // cfg.rows, 1), block=(cfg.threads, 1, 1), stream=stream,
-            use_pdl=pdl)
+                     router_weight_in_scale, k_split).launch(
+            grid=(cute.size(tile_to_expert), hidden // cfg.rows, k_split), block=(cfg.threads, 1, 1),
+            cluster=(1, 1, k_split), stream=stream, use_pdl=pdl)
 
     return launch
 
@@ -140,5 +152,5 @@ def compile_gemm2(mode: str, tokens: int, options: str):
     return cute.compile(
         make_kernel(mode, tokens), vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32), vector(u8, 16),
         vector(u8, 16), vector(Float32), vector(Float32), vector(Int32), vector(Int32), vector(Int32), vector(Int32),
-        vector(BFloat16, 16), Int32(128), Int32(128), cutlass.Boolean(True), cutlass.Boolean(True),
+        vector(BFloat16, 16), Int32(128), Int32(128), cutlass.Boolean(True), Int32(1), cutlass.Boolean(True),
         cuda.CUstream(0), options=options)

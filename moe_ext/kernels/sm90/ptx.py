@@ -60,6 +60,15 @@ def ld_shared_b32(addr: Int32, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def ld_shared_cluster_f32(addr: Int32, rank, *, loc=None, ip=None) -> Float32:
+    """fp32 at this CTA's shared address `addr`, read from the same offset in cluster CTA `rank` (DSMEM)."""
+    return Float32(_asm(1, [Int32(addr), Int32(rank)],
+                        "{ .reg .b32 remote; mapa.shared::cluster.u32 remote, $1, $2; "
+                        "ld.shared::cluster.f32 $0, [remote]; }", "=f,r,r,~{memory}", side_effects=True,
+                        result_type=T.f32()))
+
+
+@dsl_user_op
 def st_shared_b32(addr: Int32, value: Int32, *, loc=None, ip=None) -> None:
     _asm(0, [Int32(addr), Int32(value)], "st.shared.b32 [$0], $1;", "r,r,~{memory}", side_effects=True)
 

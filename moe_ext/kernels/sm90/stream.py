@@ -17,6 +17,11 @@ K order inside the MMA is free as long as both operands agree. Thread t of a qua
 token tile is stored in the same order (x0 x4 x1 x5 x2 x6 x3 x7 per 8 values), so each B fragment is one 16-byte
 shared load.
 
+Parallelism along K, for decode where few tiles are live: inside a CTA, `k_slices` warp groups take alternate
+steps of the same rows; across CTAs, the k_split CTAs of a cluster take contiguous runs of steps and rank 0 adds
+the others' accumulator tiles through distributed shared memory (add_peer_accumulators), in rank order, so
+results stay reproducible.
+
 Scale bookkeeping: the decoded weight bit pattern is w * 2^-126; it is multiplied by bf16(scale * 2^63), and the
 token tile holds x * 2^63, so the fp32 accumulator is exactly sum(w * scale * x) (every step is an exact bf16
 operation; semantics §2.1). Limits of that trick: token values must stay below 2^64 in magnitude and MXFP4 weight
@@ -246,6 +251,23 @@ def store_accumulators(sm: Smem, tid, acc: cute.Tensor, tokens: int, c: StreamCo
                 value = value + acc[(chain * (tokens // 8) + nt) * 4 + i]
             at = (nt * 8 + 2 * t + i % 2, warp * 16 + g + 8 * (i // 2))
             sm.out[at] = sm.out[at] + value if add else value
+
+
+def add_peer_accumulators(sm: Smem, tid, peer, tokens: int, c: StreamConfig) -> None:
+    """sm.out += the accumulator tile of cluster CTA `peer` (its K range), read through distributed shared memory.
+    Call between cluster barriers; peers are added in rank order, so the sum is reproducible."""
+    for i in range(tokens * c.rows // c.threads):
+        index = tid + i * c.threads
+        at = (index // c.rows, index % c.rows)
+        address = sm.tokens + (at[0] * (c.rows + 4) + at[1]) * 4
+        sm.out[at] = sm.out[at] + ptx.ld_shared_cluster_f32(address, peer)
+
+
+def k_range(steps, rank, k_split):
+    """First step and step count of cluster CTA `rank` when `k_split` CTAs share the K steps in contiguous runs."""
+    per_rank = (steps + k_split - 1) // k_split
+    first = cute.math.min(rank * per_rank, steps)
+    return first, cute.math.min(per_rank, steps - first)
 
 
 def chunk_tasks(tokens: int, c: StreamConfig) -> int:
