@@ -5,6 +5,7 @@ checked here, where the tensors are still torch tensors. Launches go to the curr
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -27,8 +28,7 @@ def _module():
 
 
 def has_kernel(name: str) -> bool:
-    module = _module()
-    return module is not None and name in module.kernels()
+    return name in _linked_kernels()
 
 
 def hopper_device(device: torch.device) -> bool:
@@ -51,14 +51,38 @@ def allocate_routing(num_tokens: int, top_k: int, num_local_experts: int, tile: 
     )
 
 
+@functools.lru_cache(maxsize=None)
+def _linked_kernels() -> frozenset:
+    module = _module()
+    return frozenset(module.kernels()) if module is not None and hasattr(module, "kernels") else frozenset()
+
+
+# Where launch() also notes each launch (name, [(pointer, numel)], scalars, pdl) while a ForwardPlan is recorded.
+_recorder: list | None = None
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the launches made inside (moe_ext.plan builds a replayable forward from them)."""
+    global _recorder
+    previous, _recorder = _recorder, []
+    try:
+        yield _recorder
+    finally:
+        _recorder = previous
+
+
 def launch(name: str, tensors: list[torch.Tensor], scalars: list[float], enable_pdl: bool,
            device: torch.device) -> None:
     """Launch exported kernel `name` on the current stream; tensors in its declaration order, flat views."""
     module = _module()
     if module is None or not hasattr(module, "launch"):
         raise RuntimeError("moe_ext._C was built without the sm_90a kernels")
-    module.launch(name, [(t.data_ptr(), t.numel()) for t in tensors], [float(v) for v in scalars],
-                  bool(enable_pdl), torch.cuda.current_stream(device).cuda_stream)
+    buffers = [(t.data_ptr(), t.numel()) for t in tensors]
+    values = [float(v) for v in scalars]
+    module.launch(name, buffers, values, bool(enable_pdl), torch.cuda.current_stream(device).cuda_stream)
+    if _recorder is not None:
+        _recorder.append((name, buffers, values, bool(enable_pdl)))
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device, numel: int | None = None,
@@ -116,6 +140,7 @@ ACTIVATION_KIND = {"swiglu": 0, "situ": 1, "geglu_tanh": 2, "relu2": 3}
 TOKEN_TILES = (8, 64)
 
 
+@functools.lru_cache(maxsize=None)
 def token_tiles(mode: str, kind: str) -> tuple:
     """The routing tiles with both GEMM kernels linked for this mode (with `_pt`) and activation kind."""
     return tuple(t for t in TOKEN_TILES

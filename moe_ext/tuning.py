@@ -46,6 +46,43 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+class _TacticCache(dict):
+    """A dict that counts its changes, so a recorded forward plan can tell that its tactic may be stale."""
+
+    generation = 0
+
+    def _changed(self):
+        self.generation += 1
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._changed()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._changed()
+
+    def clear(self):
+        super().clear()
+        self._changed()
+
+    def update(self, *args, **kwargs):
+        super().update(*args, **kwargs)
+        self._changed()
+
+    def pop(self, *args):
+        self._changed()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._changed()
+        return super().popitem()
+
+    def setdefault(self, key, default=None):
+        self._changed()
+        return super().setdefault(key, default)
+
+
 class AutoTuner:
     """Process-wide tactic cache. Keys are tuples of plain values; the cache file stores their repr()."""
 
@@ -54,7 +91,7 @@ class AutoTuner:
 
     def __init__(self) -> None:
         self.tuning = False
-        self.cache: dict[str, Tactic] = {}
+        self.cache: dict[str, Tactic] = _TacticCache()
         self.warmup = 1
         self.repeats = 3
 

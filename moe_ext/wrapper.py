@@ -4,6 +4,10 @@ Unlike FlashInfer's wrapper it honours `max_num_tokens`: routing maps, intermedi
 allocated once for that many tokens, and `run()` reuses them for any T up to it. The returned tensor is a view
 of the wrapper's output buffer, overwritten by the next run (pass the result to your next layer, or copy it).
 
+Reuse across decode steps is cheap on the host: the first run with a given set of weight tensors and input shapes
+is fully validated and its kernel launches are recorded (moe_ext/plan.py); later runs with the same weight
+tensors only check the per-call tensors (activations, routing, scales) and re-issue those launches.
+
 Capture recipe (GPU): construct with `use_cuda_graph=True` and `max_num_tokens`; run once eagerly per token
 bucket (inside `autotune(True)` if you tune) so kernels are compiled and tactics chosen; then capture
 `wrapper.run(...)` in `torch.cuda.graph(g)` over static input tensors and replay it after copying new
@@ -13,11 +17,13 @@ from __future__ import annotations
 
 import torch
 
+from . import launcher
 from .activation import Activation
 from .backends import backend_for, select_tactic
+from .plan import ROLES, ForwardPlan
 from .problem import build_problem, canonical_quant_mode
 from .quant.formats import FLT_MAX
-from .tuning import capturing, token_bucket
+from .tuning import AutoTuner, capturing, token_bucket
 from .workspace import MoEWorkspace
 
 VALID_TILE_SIZES = (64, 128, 256)
@@ -72,8 +78,6 @@ class CuteDslMoEWrapper:
         self.local_expert_offset = local_expert_offset
         self.tile_size = tile_size
         # The Hopper kernels pick their routing tile per forward; the workspace holds maps for each of them.
-        from . import launcher
-
         hopper_tiles = launcher.token_tiles(self.quant_mode, self.activation.kind)
         self.on_hopper = bool(hopper_tiles) and launcher.hopper_device(torch.device(device))
         self.routing_tiles = hopper_tiles if self.on_hopper else (tile_size,)
@@ -85,6 +89,7 @@ class CuteDslMoEWrapper:
         self.use_cuda_graph = use_cuda_graph
         self.max_num_tokens = max_num_tokens
         self.workspace: MoEWorkspace | None = None
+        self._plans: dict = {}  # (x shape, tactic) -> ForwardPlan of the last validated run (moe_ext/plan.py)
         self.aux_stream = None
         self.events = None
         if use_cuda_graph and self.device.type == "cuda":
@@ -115,12 +120,29 @@ class CuteDslMoEWrapper:
     def get_valid_tactics(self) -> list[tuple]:
         """Tactics `run(..., tactic=)` accepts: on Hopper (routing tile, GEMM1 K split, GEMM2 K split), on the
         reference path (routing tile,)."""
-        from . import launcher
-
         return launcher.tactics(self.routing_tiles) if self.on_hopper else [(t,) for t in self.routing_tiles]
 
     def run(self, x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
             fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, tactic=None, *, per_token_scale=None):
+        weights = (w1_weight, w1_weight_sf, w1_alpha, fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha)
+        inputs = dict(x=x, x_sf=x_sf, token_selected_experts=token_selected_experts,
+                      token_final_scales=token_final_scales, per_token_scale=per_token_scale)
+        tuner = AutoTuner.get()
+        key = (getattr(x, "shape", None), None if tactic is None else tuple(tactic))
+        plan = self._plans.get(key) if self.on_hopper and not tuner.tuning else None
+        if plan is not None and plan.matches(weights, tuner.cache.generation):
+            out = plan.run(inputs)
+            if out is not None:
+                return out
+        with launcher.recording() as recorded:
+            out = self._run_validated(inputs, weights, tactic)
+        if self.on_hopper and not tuner.tuning and recorded:
+            self._plans[key] = ForwardPlan.from_recording(recorded, weights, inputs, out, tuner.cache.generation)
+        return out
+
+    def _run_validated(self, inputs: dict, weights: tuple, tactic):
+        x, x_sf, token_selected_experts, token_final_scales, per_token_scale = (inputs[r] for r in ROLES)
+        w1_weight, w1_weight_sf, w1_alpha, fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha = weights
         problem = build_problem(
             x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
             fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, self.num_experts, self.top_k,

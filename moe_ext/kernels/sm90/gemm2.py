@@ -15,9 +15,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from . import ptx
 from . import stream as streaming
-from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
+from .fp4 import swizzled_sf_offset
 
 MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 
@@ -25,9 +24,8 @@ MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 def make_kernel(mode: str, tokens: int):
     a_format = {"w4a16": "bf16", "w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}[mode]
     b_block = 32 if mode == "w4a8" else 16
+    a_block = 32 if a_format == "mxfp8" else 16  # activation scale block (NVFP4 16, MXFP8 32)
     cfg = streaming.config_for(tokens)
-    k_chunk = streaming.k_chunk(tokens)
-    chunk_cols = k_chunk // 8
     cols_per_thread = cfg.rows * tokens // cfg.threads  # epilogue: output columns per thread
 
     @cute.kernel
@@ -49,64 +47,18 @@ def make_kernel(mode: str, tokens: int):
             streaming.fill_scale_lut(sm, tid, b_block)
             acc = cute.make_rmem_tensor((streaming.accumulator_size(tokens),), Float32)
             acc.fill(0.0)
-            # The k_split CTAs of a cluster take contiguous runs of K steps; inside a CTA, K slice `part` takes
-            # every k_slices-th step of the run: its j-th step is first + j * k_slices + part.
-            first, steps = streaming.k_range(inter // cfg.k_step, rank, k_split)
-            k_end = (first + steps) * cfg.k_step
-            part = tid // (cfg.threads // cfg.k_slices)
-            my_steps = (steps - part + cfg.k_slices - 1) // cfg.k_slices
-            for s in cutlass.range_constexpr(cfg.stages - 1):
-                if s < my_steps:
-                    streaming.issue_step(sm, tid, s, rows, first + s * cfg.k_slices + part, b_block)
-                ptx.cp_async_commit()
-            for j in cutlass.range((steps + cfg.k_slices - 1) // cfg.k_slices):
-                k_run = j * cfg.k_slices * cfg.k_step  # K offset inside this CTA's run
-                k = first * cfg.k_step + k_run
-                if k_run % k_chunk == 0:
-                    # Stage the FC2-input rows of this K-chunk, decoded to bf16, in the tile order.
-                    cute.arch.sync_threads()
-                    for m in cutlass.range_constexpr(streaming.chunk_tasks(tokens, cfg)):
-                        task = tid + m * cfg.threads
-                        r = task // chunk_cols
-                        c = task % chunk_cols
-                        kk = k + c * 8
-                        valid = (row0 + r < limit) & (kk < k_end)
-                        row = cute.math.min(row0 + r, limit - 1)
-                        kk = cute.math.min(kk, inter - 8)
-                        if cutlass.const_expr(a_format == "bf16"):
-                            u = ptx.ld_global_v4(a_bf16.iterator.toint() + (Int64(row) * Int64(inter) + Int64(kk)) * 2)
-                            values = streaming.bf16x8_to_tile(u)
-                        elif cutlass.const_expr(a_format == "nvfp4"):
-                            word = ptx.ld_global_b32(a_q.iterator.toint() + (Int64(row) * Int64(inter) + Int64(kk)) // 2)
-                            scale = e4m3_to_f32(Int32(a_sf[swizzled_sf_offset(0, row, kk // 16, all_rows, inter // 16)]))
-                            values = streaming.nvfp4x8_to_tile(word, scale)
-                        else:
-                            lo_hi = ptx.ld_global_v2(a_q.iterator.toint() + Int64(row) * Int64(inter) + Int64(kk))
-                            scale = ue8m0_to_f32(Int32(a_sf[swizzled_sf_offset(0, row, kk // 32, all_rows, inter // 32)]))
-                            values = streaming.mxfp8x8_to_tile(lo_hi[0], lo_hi[1], scale)
-                        streaming.store_chunk(sm, tokens, r, c, values, valid)
-                    cute.arch.sync_threads()
-                if j + cfg.stages - 1 < my_steps:
-                    streaming.issue_step(sm, tid, (j + cfg.stages - 1) % cfg.stages, rows,
-                                         first + (j + cfg.stages - 1) * cfg.k_slices + part, b_block)
-                ptx.cp_async_commit()
-                ptx.cp_async_wait(cfg.stages - 1)
-                if j < my_steps:
-                    streaming.consume_step(sm, tid, j % cfg.stages, (k_run % k_chunk + part * cfg.k_step) * 2, acc,
-                                           tokens, b_block)
-            cute.arch.sync_threads()
-            for sl in cutlass.range_constexpr(cfg.k_slices):
-                if part == sl:
-                    streaming.store_accumulators(sm, tid, acc, tokens, cfg, add=sl > 0)
-                cute.arch.sync_threads()
-            # Cluster split-K: rank 0 adds the other ranks' tiles in rank order; they wait until it has read them.
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            if rank == 0:
-                for peer in cutlass.range(1, k_split):
-                    streaming.add_peer_accumulators(sm, tid, peer, tokens, cfg)
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+
+            def load_group(r, kk, k_end):
+                """8 values of FC2-input row row0 + r at K = kk, decoded."""
+                valid = (row0 + r < limit) & (kk < k_end)
+                row = cute.math.min(row0 + r, limit - 1)
+                kk = cute.math.min(kk, inter - 8)
+                values = streaming.token_group(
+                    a_format, a_bf16, a_q, Int64(row) * Int64(inter) + Int64(kk),
+                    lambda: a_sf[swizzled_sf_offset(0, row, kk // a_block, all_rows, inter // a_block)])
+                return values, valid
+
+            streaming.accumulate(sm, tid, rows, acc, rank, k_split, inter, tokens, cfg, b_block, load_group)
             s_c = sm.out
 
             # Epilogue: thread -> (token row, cols_per_thread consecutive output columns).

@@ -5,9 +5,7 @@ travel as Int32).
 """
 from __future__ import annotations
 
-import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 

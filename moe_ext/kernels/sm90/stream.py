@@ -231,6 +231,19 @@ def mxfp8x8_to_tile(lo: Int32, hi: Int32, scale: Float32) -> list:
     return out
 
 
+def token_group(a_format: str, values_bf16: cute.Tensor, values_q: cute.Tensor, offset: Int64, scale_byte) -> list:
+    """The 8 activation values starting at element `offset` of a row-major token matrix, in tile order: bf16
+    (w4a16), NVFP4 (packed e2m1 and its e4m3 block scale) or MXFP8 (e4m3 bytes and their ue8m0 block scale);
+    `scale_byte()` loads the block's scale byte (the layouts differ between the GEMMs)."""
+    if a_format == "bf16":
+        return bf16x8_to_tile(ptx.ld_global_v4(values_bf16.iterator.toint() + offset * 2))
+    if a_format == "nvfp4":
+        word = ptx.ld_global_b32(values_q.iterator.toint() + offset // 2)
+        return nvfp4x8_to_tile(word, e4m3_to_f32(Int32(scale_byte())))
+    lo_hi = ptx.ld_global_v2(values_q.iterator.toint() + offset)
+    return mxfp8x8_to_tile(lo_hi[0], lo_hi[1], ue8m0_to_f32(Int32(scale_byte())))
+
+
 def store_chunk(sm: Smem, tokens: int, row, chunk, values: list, valid) -> None:
     zero = Int32(0)
     v = [Int32(cutlass.select_(valid, x, zero)) for x in values]
@@ -273,3 +286,56 @@ def k_range(steps, rank, k_split):
 def chunk_tasks(tokens: int, c: StreamConfig) -> int:
     """8-value chunks each thread stages per K-chunk."""
     return tokens * k_chunk(tokens) // 8 // c.threads
+
+
+@cute.jit
+def accumulate(sm, tid, rows, acc, rank, k_split, k_extent, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr,
+               block: cutlass.Constexpr, load_group: cutlass.Constexpr):
+    """The mainloop of one CTA: leaves its accumulator tile (summed over K slices, and on cluster rank 0 over the
+    cluster's ranks) in sm.out. `load_group(r, k, k_end)` returns the 8 tile-order bf16x2 registers of token row
+    r at K = k and whether they are valid (the kernel's gather and decode of its activations).
+
+    The k_split CTAs of a cluster take contiguous runs of K steps; inside a CTA, K slice `part` takes every
+    k_slices-th step of the run: its j-th step is first + j * k_slices + part.
+    """
+    chunk = k_chunk(tokens)
+    first, steps = k_range(k_extent // cfg.k_step, rank, k_split)
+    k_end = (first + steps) * cfg.k_step
+    part = tid // (cfg.threads // cfg.k_slices)
+    my_steps = (steps - part + cfg.k_slices - 1) // cfg.k_slices
+    for s in cutlass.range_constexpr(cfg.stages - 1):
+        if s < my_steps:
+            issue_step(sm, tid, s, rows, first + s * cfg.k_slices + part, block)
+        ptx.cp_async_commit()
+    for j in cutlass.range((steps + cfg.k_slices - 1) // cfg.k_slices):
+        k_run = j * cfg.k_slices * cfg.k_step  # K offset inside this CTA's run
+        if k_run % chunk == 0:
+            # Stage this K-chunk of the token rows, decoded to bf16, in the tile order.
+            cute.arch.sync_threads()
+            for m in cutlass.range_constexpr(chunk_tasks(tokens, cfg)):
+                task = tid + m * cfg.threads
+                r = task // (chunk // 8)
+                c = task % (chunk // 8)
+                values, valid = load_group(r, first * cfg.k_step + k_run + c * 8, k_end)
+                store_chunk(sm, tokens, r, c, values, valid)
+            cute.arch.sync_threads()
+        if j + cfg.stages - 1 < my_steps:
+            issue_step(sm, tid, (j + cfg.stages - 1) % cfg.stages, rows,
+                       first + (j + cfg.stages - 1) * cfg.k_slices + part, block)
+        ptx.cp_async_commit()
+        ptx.cp_async_wait(cfg.stages - 1)
+        if j < my_steps:
+            consume_step(sm, tid, j % cfg.stages, (k_run % chunk + part * cfg.k_step) * 2, acc, tokens, block)
+    cute.arch.sync_threads()
+    for sl in cutlass.range_constexpr(cfg.k_slices):
+        if part == sl:
+            store_accumulators(sm, tid, acc, tokens, cfg, add=sl > 0)
+        cute.arch.sync_threads()
+    # Cluster split-K: rank 0 adds the other ranks' tiles in rank order; they wait until it has read them.
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+    if rank == 0:
+        for peer in cutlass.range(1, k_split):
+            add_peer_accumulators(sm, tid, peer, tokens, cfg)
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()

@@ -1,0 +1,87 @@
+"""A recorded forward: the kernel launches of one validated run, replayed for the next call's inputs.
+
+A wrapper reused across decode steps repeats the same work on the host every call: validate every argument,
+build the MoEProblem, look up the tactic, size the buffer views, check and flatten a dozen tensors and launch.
+Only the activations and routing change between steps; the weights, workspace, tactic and every scalar stay. A
+ForwardPlan keeps the launches of the first (fully validated) run, with the pointers of the per-call tensors
+replaced by their role, and a later call with the same weight tensors, the same per-call shapes and dtypes and the
+same tuning state only checks those tensors and re-issues the launches: tens of microseconds instead of hundreds.
+Anything else (another weight tensor, a new shape, a tuning run) takes the validated path again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROLES = ("x", "x_sf", "token_selected_experts", "token_final_scales", "per_token_scale")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    dtype: torch.dtype
+    shape: tuple
+    device: torch.device
+
+    @staticmethod
+    def of(t: torch.Tensor | None) -> "InputSpec | None":
+        return None if t is None else InputSpec(t.dtype, tuple(t.shape), t.device)
+
+    def admits(self, t) -> bool:
+        """Same dtype, shape and device, contiguous and 16-byte aligned (what the recorded launches assumed: the
+        validated path checks the same, with its error messages)."""
+        return (isinstance(t, torch.Tensor) and t.dtype == self.dtype and t.shape == self.shape
+                and t.device == self.device and t.is_contiguous() and t.data_ptr() % 16 == 0)
+
+
+@dataclass
+class ForwardPlan:
+    weights: tuple  # the weight tensors of the recorded run (identity and data pointer must match)
+    weight_pointers: tuple
+    inputs: dict  # role -> InputSpec or None (absent)
+    launches: list  # (kernel, [(pointer, numel) or (role, numel)], scalars, pdl)
+    out: torch.Tensor
+    tuning_generation: int
+
+    @classmethod
+    def from_recording(cls, recorded: list, weights: tuple, inputs: dict, out: torch.Tensor,
+                       tuning_generation: int) -> "ForwardPlan | None":
+        """The plan of a recorded run, or None when its per-call tensors cannot be told apart by pointer."""
+        role_of = {}
+        for role, t in inputs.items():
+            if t is None:
+                continue
+            if t.data_ptr() in role_of:
+                return None
+            role_of[t.data_ptr()] = role
+        launches = [(name, [(role_of.get(ptr, ptr), numel) for ptr, numel in buffers], scalars, pdl)
+                    for name, buffers, scalars, pdl in recorded]
+        return cls(weights, tuple(w.data_ptr() if w is not None else 0 for w in weights),
+                   {role: InputSpec.of(t) for role, t in inputs.items()}, launches, out, tuning_generation)
+
+    def matches(self, weights: tuple, tuning_generation: int) -> bool:
+        return (tuning_generation == self.tuning_generation and len(weights) == len(self.weights)
+                and all(a is b for a, b in zip(weights, self.weights))
+                and all((w.data_ptr() if w is not None else 0) == p for w, p in zip(weights, self.weight_pointers)))
+
+    def run(self, inputs: dict) -> torch.Tensor | None:
+        """Re-issue the launches for `inputs`; None (nothing launched) when an input does not fit the plan, so the
+        caller takes the validated path and its error messages."""
+        pointers = {}
+        for role, spec in self.inputs.items():
+            t = inputs[role]
+            if spec is None:
+                if t is not None:
+                    return None
+                continue
+            if not spec.admits(t):
+                return None
+            pointers[role] = t.data_ptr()
+        from . import launcher
+
+        module = launcher._module()
+        stream = torch.cuda.current_stream(self.out.device).cuda_stream
+        for name, buffers, scalars, pdl in self.launches:
+            module.launch(name, [(pointers[p] if isinstance(p, str) else p, n) for p, n in buffers], scalars, pdl,
+                          stream)
+        return self.out

@@ -1,0 +1,80 @@
+"""ForwardPlan: a recorded forward replays its launches with the next call's per-call tensors, and refuses (so the
+validated path runs) whatever it was not recorded for."""
+import torch
+
+from moe_ext import launcher
+from moe_ext.plan import ForwardPlan
+
+
+class FakeModule:
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, name, buffers, scalars, pdl, stream):
+        self.calls.append((name, buffers, scalars, pdl))
+
+
+def recorded_run(weights, inputs):
+    """What launcher.recording() collects for a forward: routing reads the ids, GEMM1 reads x and w1."""
+    ptr = lambda t: (t.data_ptr(), t.numel())  # noqa: E731
+    return [("moe_routing", [ptr(inputs["token_selected_experts"]), (1234, 8)], [8.0, 0.0, 8.0], True),
+            ("moe_gemm1", [ptr(inputs["x"]), ptr(weights[0]), (5678, 16)], [128.0, 1.0], True),
+            ("moe_finalize", [ptr(inputs["token_final_scales"]), (9999, 64)], [128.0], False)]
+
+
+def make_inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    return dict(x=torch.randn(2, 128, generator=g).bfloat16(), x_sf=None,
+                token_selected_experts=torch.randint(0, 8, (2, 4), generator=g, dtype=torch.int32),
+                token_final_scales=torch.rand(2, 4, generator=g), per_token_scale=None)
+
+
+def test_plan_substitutes_the_new_inputs_and_keeps_everything_else(monkeypatch):
+    weights = (torch.zeros(8, 256, 64, dtype=torch.uint8), None)
+    first = make_inputs(0)
+    out = torch.empty(2, 128, dtype=torch.bfloat16)
+    plan = ForwardPlan.from_recording(recorded_run(weights, first), weights, first, out, tuning_generation=3)
+    fake = FakeModule()
+    monkeypatch.setattr(launcher, "_module", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
+    second = make_inputs(1)
+    assert plan.matches(weights, 3)
+    assert plan.run(second) is out
+    assert [c[0] for c in fake.calls] == ["moe_routing", "moe_gemm1", "moe_finalize"]
+    assert fake.calls == recorded_run(weights, second)  # same kernels, scalars and fixed buffers; new pointers
+
+
+def test_plan_refuses_what_it_was_not_recorded_for(monkeypatch):
+    weights = (torch.zeros(8, 256, 64, dtype=torch.uint8), None)
+    first = make_inputs(0)
+    plan = ForwardPlan.from_recording(recorded_run(weights, first), weights, first, torch.empty(2, 128),
+                                      tuning_generation=0)
+    fake = FakeModule()
+    monkeypatch.setattr(launcher, "_module", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
+    assert not plan.matches((weights[0].clone(), None), 0), "another weight tensor"
+    assert not plan.matches(weights, 1), "the tactic cache changed"
+    wrong = [dict(make_inputs(1), x=torch.randn(3, 128).bfloat16()),  # another T
+             dict(make_inputs(1), token_final_scales=torch.rand(4, 2).t()),  # not contiguous
+             dict(make_inputs(1), x_sf=torch.zeros(2, 8, dtype=torch.uint8)),  # an input the run did not have
+             dict(make_inputs(1), token_selected_experts=torch.zeros(2, 4, dtype=torch.int64))]  # dtype
+    for inputs in wrong:
+        assert plan.run(inputs) is None
+    assert fake.calls == [], "nothing is launched when the plan does not fit"
+
+
+def test_inputs_sharing_memory_are_not_planned():
+    weights = (torch.zeros(4, dtype=torch.uint8),)
+    inputs = make_inputs(0)
+    inputs["token_final_scales"] = inputs["token_selected_experts"].view(torch.float32)
+    assert ForwardPlan.from_recording(recorded_run(weights, inputs), weights, inputs, torch.empty(1), 0) is None
+
+
+def test_tuning_cache_changes_are_counted():
+    from moe_ext.tuning import AutoTuner
+
+    cache = AutoTuner.get().cache
+    before = cache.generation
+    cache["k"] = (1,)
+    cache.pop("k")
+    assert cache.generation == before + 2
