@@ -92,6 +92,19 @@ def test_swapped_block_compiles_without_graph_breaks():
     assert torch.equal(got, expected)
 
 
+def test_casting_the_model_keeps_the_fp32_expert_scales():
+    torch.manual_seed(3)
+    model = tiny("mixtral").eval()
+    swap_moe_blocks(model, "w4a4")
+    block = moe_blocks(model)[0]
+    alpha = block.w1_alpha.clone()
+    model.to(torch.bfloat16)
+    assert block.w1_alpha.dtype == torch.float32 and torch.equal(block.w1_alpha, alpha)
+    assert block.fc2_input_scale.dtype == torch.float32
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(0, 64, (1, 5))).logits).all()
+
+
 def test_expert_biases_are_refused():
     cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
@@ -99,3 +112,34 @@ def test_expert_biases_are_refused():
     model = transformers.GptOssForCausalLM(cfg)
     with pytest.raises(ValueError, match="expert biases"):
         swap_moe_blocks(model, "w4a16")
+
+
+def _hopper_kernels() -> bool:
+    from moe_ext import launcher
+
+    return (torch.cuda.is_available() and launcher.hopper_device(torch.device("cuda"))
+            and launcher.has_kernel("moe_gemm2_w4a16_t8"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper_kernels(), reason="needs sm_90 and the kernels")
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a8"])
+def test_swapped_model_runs_on_the_hopper_kernels(family, mode):
+    """The swapped model on the GPU: its MoE blocks launch the sm_90a kernels, and the logits match the same
+    swapped model on the CPU reference path."""
+    from moe_ext import launcher
+
+    torch.manual_seed(1)
+    model = tiny(family).eval()
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        swap_moe_blocks(model, mode)
+        on_cpu = model(ids).logits
+        model = model.to("cuda")
+        with launcher.recording() as launches:
+            on_gpu = model(ids.cuda()).logits.cpu()
+    assert {name.split("_t")[0] for name, *_ in launches} >= {"moe_routing", "moe_finalize"}
+    assert torch.isfinite(on_gpu).all()
+    rel = float((on_gpu - on_cpu).norm() / on_cpu.norm())
+    assert rel < 3e-2, rel

@@ -59,6 +59,17 @@ class FusedMoEBlock(nn.Module):
             self.register_buffer(name, sf_bytes(view, view.numel()).clone())
         self.register_buffer("fc2_input_scale", prepared.fc2_input_scale)
 
+    # Per-expert alphas and the FC2 input scale stay fp32 (the kernels read fp32 scales): `model.to(bfloat16)`
+    # moves them to the new device but must not round them.
+    _FP32_BUFFERS = ("w1_alpha", "w2_alpha", "fc2_input_scale")
+
+    def _apply(self, fn, recurse=True):
+        kept = {name: getattr(self, name) for name in self._FP32_BUFFERS if getattr(self, name) is not None}
+        super()._apply(fn, recurse)
+        for name, value in kept.items():
+            setattr(self, name, value.to(getattr(self, name).device))
+        return self
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         flat = hidden_states.reshape(-1, shape[-1])
