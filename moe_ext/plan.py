@@ -39,7 +39,7 @@ class ForwardPlan:
     weights: tuple  # the weight tensors of the recorded run (identity and data pointer must match)
     weight_pointers: tuple
     inputs: dict  # role -> InputSpec or None (absent)
-    launches: list  # (kernel, [(pointer, numel) or (role, numel)], scalars, pdl)
+    launches: list  # (kernel, buffers with the per-call entries still from the recorded run, patches, scalars, pdl)
     out: torch.Tensor
     tuning_generation: int
 
@@ -54,15 +54,21 @@ class ForwardPlan:
             if t.data_ptr() in role_of:
                 return None
             role_of[t.data_ptr()] = role
-        launches = [(name, [(role_of.get(ptr, ptr), numel) for ptr, numel in buffers], scalars, pdl)
-                    for name, buffers, scalars, pdl in recorded]
-        return cls(weights, tuple(w.data_ptr() if w is not None else 0 for w in weights),
-                   {role: InputSpec.of(t) for role, t in inputs.items()}, launches, out, tuning_generation)
+        launches = []
+        for name, buffers, scalars, pdl in recorded:
+            # (position, role, numel) of each buffer that is a per-call tensor
+            patches = tuple((i, role_of[ptr], numel) for i, (ptr, numel) in enumerate(buffers) if ptr in role_of)
+            launches.append((name, list(buffers), patches, scalars, pdl))
+        return cls(weights, _pointers(weights), {role: InputSpec.of(t) for role, t in inputs.items()}, launches,
+                   out, tuning_generation)
 
     def matches(self, weights: tuple, tuning_generation: int) -> bool:
-        return (tuning_generation == self.tuning_generation and len(weights) == len(self.weights)
-                and all(a is b for a, b in zip(weights, self.weights))
-                and all((w.data_ptr() if w is not None else 0) == p for w, p in zip(weights, self.weight_pointers)))
+        if tuning_generation != self.tuning_generation or len(weights) != len(self.weights):
+            return False
+        for a, b in zip(weights, self.weights):
+            if a is not b:
+                return False
+        return _pointers(weights) == self.weight_pointers
 
     def run(self, inputs: dict) -> torch.Tensor | None:
         """Re-issue the launches for `inputs`; None (nothing launched) when an input does not fit the plan, so the
@@ -73,15 +79,22 @@ class ForwardPlan:
             if spec is None:
                 if t is not None:
                     return None
-                continue
-            if not spec.admits(t):
+            elif spec.admits(t):
+                pointers[role] = t.data_ptr()
+            else:
                 return None
-            pointers[role] = t.data_ptr()
         from . import launcher
 
         module = launcher._module()
         stream = torch.cuda.current_stream(self.out.device).cuda_stream
-        for name, buffers, scalars, pdl in self.launches:
-            module.launch(name, [(pointers[p] if isinstance(p, str) else p, n) for p, n in buffers], scalars, pdl,
-                          stream)
+        for name, buffers, patches, scalars, pdl in self.launches:
+            if patches:
+                buffers = list(buffers)
+                for i, role, numel in patches:
+                    buffers[i] = (pointers[role], numel)
+            module.launch(name, buffers, scalars, pdl, stream)
         return self.out
+
+
+def _pointers(tensors: tuple) -> tuple:
+    return tuple(0 if t is None else t.data_ptr() for t in tensors)

@@ -115,6 +115,7 @@ class CuteDslMoEWrapper:
             raise RuntimeError(f"num_tokens={num_tokens} needs a larger workspace, which cannot be allocated during "
                                "CUDA graph capture; warm up with the largest T first or set max_num_tokens")
         self.workspace = self._allocate(token_bucket(num_tokens))
+        self._plans.clear()  # recorded launches point into the old workspace
         return self.workspace
 
     def get_valid_tactics(self) -> list[tuple]:
@@ -127,16 +128,19 @@ class CuteDslMoEWrapper:
         weights = (w1_weight, w1_weight_sf, w1_alpha, fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha)
         inputs = dict(x=x, x_sf=x_sf, token_selected_experts=token_selected_experts,
                       token_final_scales=token_final_scales, per_token_scale=per_token_scale)
-        tuner = AutoTuner.get()
-        key = (getattr(x, "shape", None), None if tactic is None else tuple(tactic))
-        plan = self._plans.get(key) if self.on_hopper and not tuner.tuning else None
-        if plan is not None and plan.matches(weights, tuner.cache.generation):
-            out = plan.run(inputs)
-            if out is not None:
-                return out
+        tuner = AutoTuner._instance or AutoTuner.get()
+        # Plans are kept per input shape and explicit tactic; a tactic given as a list always runs validated.
+        key = (getattr(x, "shape", None), tactic) if tactic is None or isinstance(tactic, tuple) else None
+        use_plans = self.on_hopper and key is not None and not tuner.tuning
+        if use_plans:
+            plan = self._plans.get(key)
+            if plan is not None and plan.matches(weights, tuner.cache.generation):
+                out = plan.run(inputs)
+                if out is not None:
+                    return out
         with launcher.recording() as recorded:
             out = self._run_validated(inputs, weights, tactic)
-        if self.on_hopper and not tuner.tuning and recorded:
+        if use_plans and recorded:
             self._plans[key] = ForwardPlan.from_recording(recorded, weights, inputs, out, tuner.cache.generation)
         return out
 

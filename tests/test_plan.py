@@ -1,7 +1,9 @@
 """ForwardPlan: a recorded forward replays its launches with the next call's per-call tensors, and refuses (so the
 validated path runs) whatever it was not recorded for."""
 import torch
+from conftest import make_case
 
+import moe_ext
 from moe_ext import launcher
 from moe_ext.plan import ForwardPlan
 
@@ -78,3 +80,15 @@ def test_tuning_cache_changes_are_counted():
     cache["k"] = (1,)
     cache.pop("k")
     assert cache.generation == before + 2
+
+
+def test_a_larger_workspace_drops_the_recorded_plans():
+    case = make_case("w4a16", num_tokens=4)
+    wrapper = moe_ext.CuteDslMoEWrapper(case.num_experts, 2, 128, 128, quant_mode="w4a16", device="cpu")
+    wrapper._plans[("stale",)] = object()
+    wrapper.run(**{k: v for k, v in case.kwargs().items() if k in RUN_ARGS})
+    assert ("stale",) not in wrapper._plans
+
+
+RUN_ARGS = ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_weight", "w1_weight_sf", "w1_alpha",
+            "fc2_input_scale", "w2_weight", "w2_weight_sf", "w2_alpha")
