@@ -165,3 +165,22 @@ def test_weights_over_2_gib_are_addressed_with_64_bit_offsets():
     out = moe_ext.cute_dsl_fused_moe(**kw)
     assert torch.isfinite(out).all()
     assert rel_l2(out, expected) <= 5e-3, rel_l2(out, expected)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a8"])
+@pytest.mark.parametrize("act", ["swiglu", "relu2", "swiglu_oai", "geglu_tanh"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_flashinfer_acceptance_rule_on_the_kernels(mode, act, fused):
+    """Semantics §6.1 on the GPU: the kernels' output against fp32 on the unquantized weights, with a negative
+    control showing the rule can fail."""
+    from test_reference import flashinfer_check, fp32_unquantized_reference
+
+    case = make_case(mode, act, num_tokens=16, top_k=2, num_experts=8, hidden=256, inter=256, seed=42)
+    gpu_case = case.to("cuda")
+    kw = gpu_case.kwargs(use_fused_finalize=fused)
+    assert backend_for(build_problem(**kw)) is HOPPER
+    out = moe_ext.cute_dsl_fused_moe(**kw).cpu()
+    ref = fp32_unquantized_reference(case)
+    assert flashinfer_check(out, ref)
+    other = make_case(mode, act, num_tokens=16, top_k=2, num_experts=8, hidden=256, inter=256, seed=7).to("cuda")
+    assert not flashinfer_check(moe_ext.cute_dsl_fused_moe(**other.kwargs()).cpu(), ref)
