@@ -9,10 +9,12 @@ import contextlib
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from .activation import LOG2E
+from .plan import ROLES
 from .quant.block import sf_block
 from .quant.swizzle import swizzled_size
 from .routing import Routing, max_num_tiles
@@ -57,7 +59,18 @@ def _linked_kernels() -> frozenset:
     return frozenset(module.kernels()) if module is not None and hasattr(module, "kernels") else frozenset()
 
 
-# Where launch() also notes each launch (name, [(pointer, numel)], scalars, pdl) while a ForwardPlan is recorded.
+class PerCall(NamedTuple):
+    """A flat view of a tensor that changes every call (activations, routing, router weights): launch() records
+    its position by role, so a recorded forward (moe_ext/plan.py) patches exactly these buffers."""
+
+    role: str
+    tensor: torch.Tensor
+
+
+PER_CALL = frozenset(ROLES)
+
+# Where launch() also notes each launch while a ForwardPlan is recorded:
+# (name, [(pointer, numel)], scalars, pdl, ((position, role), ...)).
 _recorder: list | None = None
 
 
@@ -72,17 +85,22 @@ def recording():
         _recorder = previous
 
 
-def launch(name: str, tensors: list[torch.Tensor], scalars: list[float], enable_pdl: bool,
-           device: torch.device) -> None:
-    """Launch exported kernel `name` on the current stream; tensors in its declaration order, flat views."""
+def launch(name: str, tensors: list, scalars: list[float], enable_pdl: bool, device: torch.device) -> None:
+    """Launch exported kernel `name` on the current stream; tensors (flat views, or PerCall) in its declaration
+    order."""
     module = _module()
     if module is None or not hasattr(module, "launch"):
         raise RuntimeError("moe_ext._C was built without the sm_90a kernels")
-    buffers = [(t.data_ptr(), t.numel()) for t in tensors]
+    buffers, roles = [], []
+    for t in tensors:
+        if isinstance(t, PerCall):
+            roles.append((len(buffers), t.role))
+            t = t.tensor
+        buffers.append((t.data_ptr(), t.numel()))
     values = [float(v) for v in scalars]
     module.launch(name, buffers, values, bool(enable_pdl), torch.cuda.current_stream(device).cuda_stream)
     if _recorder is not None:
-        _recorder.append((name, buffers, values, bool(enable_pdl)))
+        _recorder.append((name, buffers, values, bool(enable_pdl), tuple(roles)))
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device, numel: int | None = None,
@@ -95,7 +113,7 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device,
         raise ValueError(f"{name} must have {numel} elements, got {t.numel()}")
     if t.data_ptr() % align:
         raise ValueError(f"{name} must be {align}-byte aligned")
-    return t.reshape(-1)
+    return PerCall(name, t.reshape(-1)) if name in PER_CALL else t.reshape(-1)
 
 
 INT32_MAX = 2 ** 31 - 1

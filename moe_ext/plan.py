@@ -3,8 +3,8 @@
 A wrapper reused across decode steps repeats the same work on the host every call: validate every argument,
 build the MoEProblem, look up the tactic, size the buffer views, check and flatten a dozen tensors and launch.
 Only the activations and routing change between steps; the weights, workspace, tactic and every scalar stay. A
-ForwardPlan keeps the launches of the first (fully validated) run, with the pointers of the per-call tensors
-replaced by their role, and a later call with the same weight tensors, the same per-call shapes and dtypes and the
+ForwardPlan keeps the launches of the first (fully validated) run, with the buffers of the per-call tensors
+marked by their role (launcher.PerCall), and a later call with the same weight tensors, the same per-call shapes and dtypes and the
 same tuning state only checks those tensors and re-issues the launches: tens of microseconds instead of hundreds.
 Anything else (another weight tensor, a new shape, a tuning run) takes the validated path again.
 """
@@ -46,19 +46,17 @@ class ForwardPlan:
     @classmethod
     def from_recording(cls, recorded: list, weights: tuple, inputs: dict, out: torch.Tensor,
                        tuning_generation: int) -> "ForwardPlan | None":
-        """The plan of a recorded run, or None when its per-call tensors cannot be told apart by pointer."""
-        role_of = {}
-        for role, t in inputs.items():
-            if t is None:
-                continue
-            if t.data_ptr() in role_of:
-                return None
-            role_of[t.data_ptr()] = role
+        """The plan of a recorded run (launcher.recording()); None if a recorded per-call buffer is not the
+        tensor passed for its role (nothing to patch it from)."""
         launches = []
-        for name, buffers, scalars, pdl in recorded:
-            # (position, role, numel) of each buffer that is a per-call tensor
-            patches = tuple((i, role_of[ptr], numel) for i, (ptr, numel) in enumerate(buffers) if ptr in role_of)
-            launches.append((name, list(buffers), patches, scalars, pdl))
+        for name, buffers, scalars, pdl, roles in recorded:
+            patches = []
+            for i, role in roles:
+                t = inputs.get(role)
+                if t is None or t.data_ptr() != buffers[i][0]:
+                    return None
+                patches.append((i, role, buffers[i][1]))
+            launches.append((name, list(buffers), tuple(patches), scalars, pdl))
         return cls(weights, _pointers(weights), {role: InputSpec.of(t) for role, t in inputs.items()}, launches,
                    out, tuning_generation)
 

@@ -17,11 +17,19 @@ class FakeModule:
 
 
 def recorded_run(weights, inputs):
-    """What launcher.recording() collects for a forward: routing reads the ids, GEMM1 reads x and w1."""
+    """What launcher.recording() collects for a forward: routing reads the ids, GEMM1 reads x and w1, finalize
+    reads the router weights; per-call buffers carry their role."""
     ptr = lambda t: (t.data_ptr(), t.numel())  # noqa: E731
-    return [("moe_routing", [ptr(inputs["token_selected_experts"]), (1234, 8)], [8.0, 0.0, 8.0], True),
-            ("moe_gemm1", [ptr(inputs["x"]), ptr(weights[0]), (5678, 16)], [128.0, 1.0], True),
-            ("moe_finalize", [ptr(inputs["token_final_scales"]), (9999, 64)], [128.0], False)]
+    return [("moe_routing", [ptr(inputs["token_selected_experts"]), (1234, 8)], [8.0, 0.0, 8.0], True,
+             ((0, "token_selected_experts"),)),
+            ("moe_gemm1", [ptr(inputs["x"]), ptr(weights[0]), (5678, 16)], [128.0, 1.0], True, ((0, "x"),)),
+            ("moe_finalize", [ptr(inputs["token_final_scales"]), (9999, 64)], [128.0], False,
+             ((0, "token_final_scales"),))]
+
+
+def issued(recorded):
+    """The launches as the C++ launcher receives them."""
+    return [(name, buffers, scalars, pdl) for name, buffers, scalars, pdl, _ in recorded]
 
 
 def make_inputs(seed):
@@ -43,7 +51,7 @@ def test_plan_substitutes_the_new_inputs_and_keeps_everything_else(monkeypatch):
     assert plan.matches(weights, 3)
     assert plan.run(second) is out
     assert [c[0] for c in fake.calls] == ["moe_routing", "moe_gemm1", "moe_finalize"]
-    assert fake.calls == recorded_run(weights, second)  # same kernels, scalars and fixed buffers; new pointers
+    assert fake.calls == issued(recorded_run(weights, second))  # same kernels, scalars, fixed buffers; new pointers
 
 
 def test_plan_refuses_what_it_was_not_recorded_for(monkeypatch):
@@ -65,11 +73,28 @@ def test_plan_refuses_what_it_was_not_recorded_for(monkeypatch):
     assert fake.calls == [], "nothing is launched when the plan does not fit"
 
 
-def test_inputs_sharing_memory_are_not_planned():
+def test_an_input_aliasing_a_fixed_buffer_is_patched_only_where_it_is_an_input(monkeypatch):
+    """x may be the output buffer of the same wrapper (a layer applied twice): only its input position moves."""
     weights = (torch.zeros(4, dtype=torch.uint8),)
-    inputs = make_inputs(0)
-    inputs["token_final_scales"] = inputs["token_selected_experts"].view(torch.float32)
-    assert ForwardPlan.from_recording(recorded_run(weights, inputs), weights, inputs, torch.empty(1), 0) is None
+    first = make_inputs(0)
+    recorded = recorded_run(weights, first)
+    name, buffers, scalars, pdl, roles = recorded[2]
+    recorded[2] = (name, buffers[:1] + [(first["x"].data_ptr(), 256)], scalars, pdl, roles)  # finalize writes at x
+    plan = ForwardPlan.from_recording(recorded, weights, first, torch.empty(1), 0)
+    fake = FakeModule()
+    monkeypatch.setattr(launcher, "_module", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
+    second = make_inputs(1)
+    plan.run(second)
+    assert fake.calls[1][1][0] == (second["x"].data_ptr(), second["x"].numel())  # GEMM1 reads the new x
+    assert fake.calls[2][1][1] == (first["x"].data_ptr(), 256)  # finalize still writes the recorded buffer
+
+
+def test_a_recording_whose_inputs_were_copied_is_not_planned():
+    weights = (torch.zeros(4, dtype=torch.uint8),)
+    first = make_inputs(0)
+    recorded = recorded_run(weights, dict(first, x=first["x"].clone()))  # validation made its own copy of x
+    assert ForwardPlan.from_recording(recorded, weights, first, torch.empty(1), 0) is None
 
 
 def test_tuning_cache_changes_are_counted():
