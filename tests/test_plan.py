@@ -117,3 +117,41 @@ def test_a_larger_workspace_drops_the_recorded_plans():
 
 RUN_ARGS = ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_weight", "w1_weight_sf", "w1_alpha",
             "fc2_input_scale", "w2_weight", "w2_weight_sf", "w2_alpha")
+
+
+def test_the_kernel_forward_marks_exactly_the_per_call_buffers(monkeypatch):
+    """launcher.forward on CPU tensors with the C++ module faked: every launch gets plain (pointer, numel)
+    buffers, and the recorded roles are the activations, router weights and ids of this call."""
+    from moe_ext.backends import HOPPER
+    from moe_ext.problem import build_problem
+
+    fake = FakeModule()
+    monkeypatch.setattr(launcher, "_module", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
+    for mode in ("w4a16", "w4a4", "w4a8"):
+        case = make_case(mode, num_tokens=5, top_k=2, num_experts=8, hidden=256, inter=256)
+        kw = case.kwargs()
+        if mode == "w4a4":
+            kw["per_token_scale"] = torch.rand(5) + 0.5
+        problem = build_problem(**kw)
+        routing = launcher.allocate_routing(5, 2, 8, 8, "cpu")
+        monkeypatch.setattr(launcher, "route", lambda ids, *a, **k: launcher.launch(
+            "moe_routing", [launcher._check("token_selected_experts", ids, torch.int32, ids.device)], [], True,
+            ids.device))
+        buffers = launcher.KernelBuffers.allocate(mode, routing.permuted_to_expanded.numel(), 256, 10, 256, "cpu")
+        out = torch.empty(5, 256, dtype=torch.bfloat16)
+        fake.calls.clear()
+        with launcher.recording() as recorded:
+            launcher.forward(problem, routing, buffers, out, True, (1, 2))
+        names = [name for name, *_ in recorded]
+        assert names[0] == "moe_routing" and names[-1] == "moe_finalize"
+        assert all(isinstance(p, int) and isinstance(n, int) for _, bufs, *_ in fake.calls for p, n in bufs)
+        roles = {role for *_, rs in recorded for _, role in rs}
+        expected = {"x", "token_selected_experts", "token_final_scales"}
+        expected |= {"x_sf"} if mode != "w4a16" else set()
+        expected |= {"per_token_scale"} if mode == "w4a4" else set()
+        assert roles == expected, (mode, roles)
+        assert ForwardPlan.from_recording(recorded, (), {r: kw.get(r) for r in ("x", "x_sf", "per_token_scale",
+                                                                            "token_selected_experts",
+                                                                            "token_final_scales")},
+                                          out, 0) is not None
