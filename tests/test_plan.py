@@ -122,7 +122,6 @@ RUN_ARGS = ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_wei
 def test_the_kernel_forward_marks_exactly_the_per_call_buffers(monkeypatch):
     """launcher.forward on CPU tensors with the C++ module faked: every launch gets plain (pointer, numel)
     buffers, and the recorded roles are the activations, router weights and ids of this call."""
-    from moe_ext.backends import HOPPER
     from moe_ext.problem import build_problem
 
     fake = FakeModule()
