@@ -51,10 +51,6 @@ def make_kernel(mode: str, kind: str, tokens: int):
             limit = tile_to_mn_limit[tile]
             row0 = tile * tokens
             sm = streaming.allocate(tokens, cfg)
-            rows = streaming.weight_rows(w1, w1_sf, expert, n_tile * cfg.rows, tid, n1, hidden, b_block, cfg)
-            streaming.fill_scale_lut(sm, tid, b_block)
-            acc = cute.make_rmem_tensor((streaming.accumulator_size(tokens),), Float32)
-            acc.fill(0.0)
 
             def load_group(r, kk, k_end):
                 """8 values of token row r at K = kk, gathered through the permutation and decoded."""
@@ -66,7 +62,8 @@ def make_kernel(mode: str, kind: str, tokens: int):
                     lambda: x_sf[token * (hidden // a_block) + kk // a_block])
                 return values, valid
 
-            streaming.accumulate(sm, tid, rows, acc, rank, k_split, hidden, tokens, cfg, b_block, load_group)
+            streaming.accumulate(sm, tid, w1, w1_sf, expert, n_tile * cfg.rows, n1, hidden, rank, k_split, tokens,
+                                 cfg, b_block, load_group)
             s_c = sm.out
 
             # Epilogue: thread -> (token row, half of the CTA's output columns); 2 * tokens threads.

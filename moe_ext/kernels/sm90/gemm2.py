@@ -43,10 +43,6 @@ def make_kernel(mode: str, tokens: int):
             row0 = tile * tokens
             all_rows = cute.size(permuted_to_expanded)
             sm = streaming.allocate(tokens, cfg)
-            rows = streaming.weight_rows(w2, w2_sf, expert, n_tile * cfg.rows, tid, hidden, inter, b_block, cfg)
-            streaming.fill_scale_lut(sm, tid, b_block)
-            acc = cute.make_rmem_tensor((streaming.accumulator_size(tokens),), Float32)
-            acc.fill(0.0)
 
             def load_group(r, kk, k_end):
                 """8 values of FC2-input row row0 + r at K = kk, decoded."""
@@ -58,7 +54,8 @@ def make_kernel(mode: str, tokens: int):
                     lambda: a_sf[swizzled_sf_offset(0, row, kk // a_block, all_rows, inter // a_block)])
                 return values, valid
 
-            streaming.accumulate(sm, tid, rows, acc, rank, k_split, inter, tokens, cfg, b_block, load_group)
+            streaming.accumulate(sm, tid, w2, w2_sf, expert, n_tile * cfg.rows, hidden, inter, rank, k_split, tokens,
+                                 cfg, b_block, load_group)
             s_c = sm.out
 
             # Epilogue: thread -> (token row, cols_per_thread consecutive output columns).

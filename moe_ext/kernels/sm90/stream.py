@@ -289,15 +289,21 @@ def chunk_tasks(tokens: int, c: StreamConfig) -> int:
 
 
 @cute.jit
-def accumulate(sm, tid, rows, acc, rank, k_split, k_extent, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr,
-               block: cutlass.Constexpr, load_group: cutlass.Constexpr):
-    """The mainloop of one CTA: leaves its accumulator tile (summed over K slices, and on cluster rank 0 over the
+def accumulate(sm, tid, w, w_sf, expert, first_row, rows_per_expert, k_extent, rank, k_split,
+               tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
+               load_group: cutlass.Constexpr):
+    """The mainloop of one CTA over weight rows [first_row, first_row + cfg.rows) of `expert` in the 4-bit weight
+    `w` (scales `w_sf`): leaves its accumulator tile (summed over K slices, and on cluster rank 0 over the
     cluster's ranks) in sm.out. `load_group(r, k, k_end)` returns the 8 tile-order bf16x2 registers of token row
     r at K = k and whether they are valid (the kernel's gather and decode of its activations).
 
     The k_split CTAs of a cluster take contiguous runs of K steps; inside a CTA, K slice `part` takes every
     k_slices-th step of the run: its j-th step is first + j * k_slices + part.
     """
+    rows = weight_rows(w, w_sf, expert, first_row, tid, rows_per_expert, k_extent, block, cfg)
+    fill_scale_lut(sm, tid, block)  # read after the first staging barrier below
+    acc = cute.make_rmem_tensor((accumulator_size(tokens),), Float32)
+    acc.fill(0.0)
     chunk = k_chunk(tokens)
     first, steps = k_range(k_extent // cfg.k_step, rank, k_split)
     k_end = (first + steps) * cfg.k_step
