@@ -69,8 +69,7 @@ class HopperBackend:
     def _tiles(problem: MoEProblem) -> tuple:
         from . import launcher
 
-        mode = problem.quant_mode + ("_pt" if problem.per_token_scale is not None else "")
-        return launcher.token_tiles(mode, problem.activation.kind)
+        return launcher.token_tiles(problem.kernel_mode, problem.activation.kind)
 
     def tactics(self, problem: MoEProblem) -> list[Tactic]:
         from . import launcher

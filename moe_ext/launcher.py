@@ -272,8 +272,8 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     n1 = problem.n1
     if H % 128 or I % 128:
         raise ValueError(f"the sm_90a kernels need H % 128 == 0 and I % 128 == 0 (H={H}, I={I})")
-    mode = problem.quant_mode + ("_pt" if problem.per_token_scale is not None else "")
-    block = sf_block(problem.quant_mode)
+    mode = problem.kernel_mode
+    block = problem.sf_block
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
     dummy = _dummies(device)
     route(problem.token_selected_experts, E, problem.local_expert_offset, routing, enable_pdl)

@@ -95,6 +95,11 @@ class MoEProblem:
     def n1(self) -> int:
         return 2 * self.intermediate_size if self.activation.gated else self.intermediate_size
 
+    @property
+    def kernel_mode(self) -> str:
+        """The quant mode as the sm_90a kernels name it: w4a4 with per-token activation scales is `w4a4_pt`."""
+        return self.quant_mode + ("_pt" if self.per_token_scale is not None else "")
+
 
 def _tensor(name, t, *, dtypes, ndim=None, device=None, optional=False):
     if t is None:

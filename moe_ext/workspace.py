@@ -37,8 +37,9 @@ class MoEWorkspace:
                  intermediate_size: int, quant_mode: str, tile_sizes: tuple,
                  output_dtype: torch.dtype, device) -> "MoEWorkspace":
         tile_sizes = tuple(tile_sizes)
-        tiles = max(1, max(max_num_tiles(max_num_tokens, top_k, num_local_experts, t) for t in tile_sizes))
-        rows = max(max(1, max_num_tiles(max_num_tokens, top_k, num_local_experts, t)) * t for t in tile_sizes)
+        tiles_of = {t: max(1, max_num_tiles(max_num_tokens, top_k, num_local_experts, t)) for t in tile_sizes}
+        tiles = max(tiles_of.values())  # the tile maps hold the most tiles any routing tile needs,
+        rows = max(n * t for t, n in tiles_of.items())  # the row maps the most rows
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
             max_num_tokens=max_num_tokens, top_k=top_k, num_local_experts=num_local_experts, tile_sizes=tile_sizes,
