@@ -97,6 +97,8 @@ class AutoTuner:
 
     @classmethod
     def get(cls) -> "AutoTuner":
+        if cls._instance is not None:  # every forward asks: no lock once it exists
+            return cls._instance
         with cls._lock:
             if cls._instance is None:
                 cls._instance = AutoTuner()

@@ -128,7 +128,7 @@ class CuteDslMoEWrapper:
         weights = (w1_weight, w1_weight_sf, w1_alpha, fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha)
         inputs = dict(x=x, x_sf=x_sf, token_selected_experts=token_selected_experts,
                       token_final_scales=token_final_scales, per_token_scale=per_token_scale)
-        tuner = AutoTuner._instance or AutoTuner.get()
+        tuner = AutoTuner.get()
         # Plans are kept per input shape and explicit tactic; a tactic given as a list always runs validated.
         key = (getattr(x, "shape", None), tactic) if tactic is None or isinstance(tactic, tuple) else None
         use_plans = self.on_hopper and key is not None and not tuner.tuning

@@ -1,7 +1,8 @@
 """Finalize (sm_90a): combine the top-k slot outputs of each token into the layer output (semantics §2.6).
 
-CTA (token, part): 256 threads, 8 columns each (16-byte loads and stores). Fused mode: bf16 running sum of the bf16 contributions (router weight already applied by
-GEMM2), in ascending slot order. Deterministic mode: fp32 sum over ascending k of y_k * r_k, one bf16 rounding.
+CTA (token, part): 256 threads, 8 columns each (16-byte loads and stores). Fused mode: bf16 running sum of the
+bf16 contributions (router weight already applied by GEMM2), in ascending slot order. Deterministic mode: fp32 sum
+over ascending k of y_k * r_k, one bf16 rounding.
 Slots with no local expert are skipped; a token with none gets zeros.
 """
 from __future__ import annotations
