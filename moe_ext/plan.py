@@ -4,8 +4,9 @@ A wrapper reused across decode steps repeats the same work on the host every cal
 build the MoEProblem, look up the tactic, size the buffer views, check and flatten a dozen tensors and launch.
 Only the activations and routing change between steps; the weights, workspace, tactic and every scalar stay. A
 ForwardPlan keeps the launches of the first (fully validated) run, with the buffers of the per-call tensors
-marked by their role (launcher.PerCall), and a later call with the same weight tensors, the same per-call shapes and dtypes and the
-same tuning state only checks those tensors and re-issues the launches: tens of microseconds instead of hundreds.
+marked by their role (launcher.PerCall), and a later call with the same weight tensors, the same per-call shapes
+and dtypes and the same tuning state only checks those tensors and re-issues the launches: tens of microseconds
+instead of hundreds.
 Anything else (another weight tensor, a new shape, a tuning run) takes the validated path again.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """GEMM2 (sm_90a): FC2-input rows x 4-bit FC2 weights -> scaled bf16 expert output per slot.
 
-Grid (max tiles, H / 128), the streaming mainloop of stream.py. Each valid permuted row p (expanded index s = t*K + k) writes
-y[s, :] = bf16(scale * acc2), scale = w2_alpha[e] * (token_final_scales[s] * pts2) for the fused finalize (router
+Grid (max tiles, H / 128, K split), the streaming mainloop of stream.py. Each valid permuted row p (expanded index
+s = t*K + k) writes y[s, :] = bf16(scale * acc2), scale = w2_alpha[e] * (token_final_scales[s] * pts2) for the fused finalize (router
 weight before the bf16 rounding, semantics §2.6) or w2_alpha[e] * pts2 for the deterministic one; pts2 is the
 per-token FC2 row scale (w4a4_pt) or 1. The finalize kernel then combines the K slots of each token.
 

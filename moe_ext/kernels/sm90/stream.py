@@ -107,7 +107,8 @@ def allocate(tokens: int, c: StreamConfig) -> Smem:
     tile = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(tile_bytes), 16)
     out = cute.make_tensor(cute.recast_ptr(tile.iterator, dtype=Float32),
                            cute.make_layout((tokens, c.rows), stride=(c.rows + 4, 1)))
-    return Smem(c.threads, ring_w.iterator.toint(), ring_s.iterator.toint(), lut.iterator.toint(), tile.iterator.toint(), out)
+    return Smem(c.threads, ring_w.iterator.toint(), ring_s.iterator.toint(), lut.iterator.toint(),
+                tile.iterator.toint(), out)
 
 
 def fill_scale_lut(sm: Smem, tid, block: int) -> None:
