@@ -1,8 +1,8 @@
 """GEMM1 (sm_90a): gathered token rows x 4-bit FC1 weights -> alpha (x per-token scale) -> activation -> FC2 input.
 
-Grid (max tiles, N1 / 128, K split): CTA (m, n, r) takes routing tile m (one local expert, `tokens` permuted rows) and weight
-rows [128n, 128n + 128), K range r of its cluster, through the streaming mainloop (stream.py); tiles past the device-side live count exit, so
-the grid depends only on T.
+Grid (max tiles, N1 / 128, K split): CTA (m, n, r) takes routing tile m (one local expert, `tokens` permuted
+rows), weight rows [128n, 128n + 128) and K range r of its cluster, through the streaming mainloop (stream.py);
+tiles past the device-side live count exit, so the grid depends only on T.
 Token rows are gathered through permuted_to_expanded (token = expanded // top_k) straight from x: the permuted
 copy is never materialised. With the 64-row up/gate interleave, a 128-row weight tile yields intermediate columns
 [64n, 64n + 64): up in accumulator columns 0..63, gate in 64..127.
