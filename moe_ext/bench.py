@@ -47,6 +47,7 @@ from moe_ext.bench_peers import (PeerUnavailable, TritonKernelsMxfp4, bucket_cou
                                  triton_kernels_unavailable)
 from moe_ext.backends import backend_for
 from moe_ext.problem import build_problem
+from moe_ext.routing import expected_experts_hit as routing_expected_experts_hit
 from moe_ext.quant import e4m3_encode, swizzled_size, ue8m0_encode_ceil
 from moe_ext.quant.block import MX_BLOCK, NVFP4_BLOCK, sf_block
 from moe_ext.quant.prepare import NVFP4_GLOBAL_RANGE
@@ -277,9 +278,8 @@ def roofline_us(num_bytes: float, flops: float) -> float:
 
 
 def expected_experts_hit(num_tokens: int, shape: Shape) -> float:
-    """Mean local experts a random routing hits: with i.i.d. logits each expert is in a token's top-k with
-    probability k/E, independently across tokens. Used only to size the rotation before any routing exists."""
-    return shape.num_local * (1.0 - (1.0 - shape.top_k / shape.num_experts) ** num_tokens)
+    """Mean local experts a random routing of `shape` hits (sizes the rotation before any routing exists)."""
+    return routing_expected_experts_hit(num_tokens, shape.top_k, shape.num_experts, shape.num_local)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from .activation import LOG2E
 from .plan import ROLES
 from .quant.block import sf_block
 from .quant.swizzle import swizzled_size
-from .routing import Routing, max_num_tiles
+from .routing import Routing, expected_experts_hit, max_num_tiles
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,7 +188,7 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     tile = min(tiles) if per_expert <= 16 else max(tiles)
     # Live tiles: the expected experts hit with 50% margin (a split that overshoots one wave costs more than one
     # that undershoots gains), never more than the slots that can be local.
-    hit = num_local_experts * (1.0 - (1.0 - 1.0 / num_local_experts) ** local_slots)
+    hit = expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts)
     live = max(min(1.5 * hit, num_tokens * top_k, num_local_experts), math.ceil(local_slots / tile))
 
     def split(rows: int) -> int:

@@ -19,6 +19,12 @@ def max_num_tiles(num_tokens: int, top_k: int, num_local_experts: int, tile_size
     return (slots + (tile_size - 1) * num_local_experts) // tile_size
 
 
+def expected_experts_hit(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int) -> float:
+    """Mean local experts a random routing hits: with i.i.d. router logits each expert is in a token's top-k with
+    probability k/E, independently across tokens (sizing decisions made before any routing exists)."""
+    return num_local_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+
+
 @dataclass
 class Routing:
     local_expert: torch.Tensor  # int32 [T, K]: local expert of each slot, -1 when not local
