@@ -143,6 +143,15 @@ std::vector<std::string> kernels() {
 std::vector<std::string> kernels() { return {}; }
 #endif
 
+// Zeroes `bytes` at `ptr` on `stream` (the fused finalize's output, overlapping GEMM1 on an aux stream): a memset
+// node, not a kernel, when captured.
+void memset_async(std::uintptr_t ptr, std::int64_t bytes, std::uintptr_t stream) {
+  if (bytes < 0) throw std::invalid_argument("memset_async: negative size");
+  if (bytes > 0 && ptr == 0) throw std::invalid_argument("memset_async: null pointer");
+  check_cuda(cudaMemsetAsync(reinterpret_cast<void*>(ptr), 0, static_cast<std::size_t>(bytes),
+                             reinterpret_cast<cudaStream_t>(stream)), "cudaMemsetAsync");
+}
+
 int cuda_runtime_version() {
   int version = 0;
   check_cuda(cudaRuntimeGetVersion(&version), "cudaRuntimeGetVersion");
@@ -170,5 +179,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("launch", &moe_ext::launch, py::arg("name"), py::arg("tensors"), py::arg("scalars"), py::arg("pdl"),
         py::arg("stream"), "launch an exported kernel: tensors are (address, numel) in declaration order");
 #endif
+  m.def("memset_async", &moe_ext::memset_async, py::arg("ptr"), py::arg("bytes"), py::arg("stream"),
+        "cudaMemsetAsync(ptr, 0, bytes, stream)");
   m.def("cuda_runtime_version", &moe_ext::cuda_runtime_version);
 }

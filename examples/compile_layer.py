@@ -56,11 +56,10 @@ def main():
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(0)
+    # fp32 attention and router: in bf16, inductor's fused kernels round differently from eager and flip near-tied
+    # top-k choices, which moves whole expert contributions; the comparison below is about the MoE op.
     layer = DecoderLayer(512, 8, 16, 4, 256, args.quant_mode).to(device).eval()
-    if cuda:  # bf16 attention; the MoE buffers keep their formats (packed uint8, fp32 alphas)
-        for module in (layer.norm1, layer.norm2, layer.qkv, layer.proj, layer.router):
-            module.to(torch.bfloat16)
-    x = torch.randn(args.tokens, 512, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+    x = torch.randn(args.tokens, 512, device=device)
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead" if cuda else "default")
     with torch.no_grad():

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=2 examples/expert_parallel.py [--quant-mode w4a4] [--tokens 64]
 
-NCCL with one GPU per rank when CUDA is present, gloo on CPU otherwise. Rank 0 checks the combined result against
+NCCL with one GPU per rank when there are enough GPUs, gloo on CPU otherwise (a one-GPU machine runs the CPU path). Rank 0 checks the combined result against
 the single-process layer and prints the time per forward.
 """
 import argparse
@@ -25,8 +25,8 @@ def main():
     parser.add_argument("--intermediate", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=4)
     args = parser.parse_args()
-    cuda = torch.cuda.is_available()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("nccl" if cuda else "gloo")

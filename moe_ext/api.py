@@ -77,6 +77,7 @@ def cute_dsl_fused_moe(
     if tactic is not None and not isinstance(tactic, (tuple, list)):
         raise TypeError(f"tactic must be a tuple or None, got {type(tactic).__name__}")
     problem.enable_pdl = enable_pdl
+    problem.aux_stream = aux_stream
     out = (problem.moe_output[:problem.num_tokens] if problem.moe_output is not None else
            torch.empty(problem.num_tokens, problem.hidden_size, dtype=problem.output_dtype, device=problem.device))
     backend = backend_for(problem)

@@ -69,20 +69,58 @@ class PerCall(NamedTuple):
 
 PER_CALL = frozenset(ROLES)
 
-# Where launch() also notes each launch while a ForwardPlan is recorded:
-# (name, [(pointer, numel)], scalars, pdl, ((position, role), ...)).
+
+class Launch(NamedTuple):
+    """One recorded kernel launch: buffers as (pointer, numel), the positions of per-call buffers by role, and the
+    side stream it went to (None: the caller's current stream, whichever that is when replayed)."""
+
+    name: str
+    buffers: list
+    scalars: list
+    pdl: bool
+    roles: tuple
+    stream: object = None
+
+
+class Call(NamedTuple):
+    """One recorded host step between launches (an event fork or join, a memset), re-run as is."""
+
+    fn: object
+
+
+# While a ForwardPlan is recorded: the Launch and Call steps of the forward, in order.
 _recorder: list | None = None
+_side_stream = None  # the stream launches go to inside on_side_stream()
 
 
 @contextlib.contextmanager
 def recording():
-    """Collect the launches made inside (moe_ext.plan builds a replayable forward from them)."""
+    """Collect the steps made inside (moe_ext.plan builds a replayable forward from them)."""
     global _recorder
     previous, _recorder = _recorder, []
     try:
         yield _recorder
     finally:
         _recorder = previous
+
+
+@contextlib.contextmanager
+def on_side_stream(stream):
+    """Launch on `stream` (a shard's or the aux stream) instead of the caller's."""
+    global _side_stream
+    previous, _side_stream = _side_stream, stream
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        _side_stream = previous
+
+
+def call(fn) -> None:
+    """Run a host step of the forward now and, while recording, keep it for replays."""
+    fn()
+    if _recorder is not None:
+        _recorder.append(Call(fn))
 
 
 def launch(name: str, tensors: list, scalars: list[float], enable_pdl: bool, device: torch.device) -> None:
@@ -100,7 +138,16 @@ def launch(name: str, tensors: list, scalars: list[float], enable_pdl: bool, dev
     values = [float(v) for v in scalars]
     module.launch(name, buffers, values, bool(enable_pdl), torch.cuda.current_stream(device).cuda_stream)
     if _recorder is not None:
-        _recorder.append((name, buffers, values, bool(enable_pdl), tuple(roles)))
+        _recorder.append(Launch(name, buffers, values, bool(enable_pdl), tuple(roles), _side_stream))
+
+
+def memset_async(t: torch.Tensor, stream) -> None:
+    """Zero `t` with cudaMemsetAsync on `stream` (None: the current one): a memset node, not a kernel, in a
+    graph."""
+    module = _module()
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    call(lambda: module.memset_async(ptr, nbytes, (stream if stream is not None else
+                                                   torch.cuda.current_stream()).cuda_stream))
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device, numel: int | None = None,
@@ -262,18 +309,23 @@ def _dummies(device: torch.device) -> dict:
 
 
 def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor, enable_pdl: bool,
-            k_splits: tuple = (1, 1)) -> torch.Tensor:
-    """routing -> GEMM1 (-> per-token FC2 quantize) -> GEMM2 -> finalize on the current stream; every grid depends
-    on T only, so the sequence can be captured in a CUDA graph once and replayed for any routing. `k_splits`: the
-    cluster K split of GEMM1 and GEMM2 (launcher.K_SPLITS)."""
+            k_splits: tuple = (1, 1), aux=None, shard_streams=None) -> torch.Tensor:
+    """routing -> GEMM1 (-> per-token FC2 quantize) -> GEMM2 (-> finalize) on the current stream; every grid
+    depends on T only, so the sequence can be captured in a CUDA graph once and replayed for any routing.
+
+    k_splits: the cluster K split of GEMM1 and GEMM2 (K_SPLITS). Fused finalize: `out` is zeroed (on the `aux`
+    ForkJoin's stream, overlapping GEMM1, or in order on the current stream without one) and GEMM2 adds each
+    router-weighted row into it; deterministic: GEMM2 writes per-slot rows and the finalize kernel sums them.
+    Localized shards (problem.shards): FC1 of each shard writes its half of the intermediate columns, FC2 of each
+    its half of the output columns, on the `shard_streams` ForkJoin's streams (or one after the other)."""
     device = problem.device
     T, K, H, I, E = (problem.num_tokens, problem.top_k, problem.hidden_size, problem.intermediate_size,
                      problem.num_local_experts)
-    n1 = problem.n1
     if H % 128 or I % 128:
         raise ValueError(f"the sm_90a kernels need H % 128 == 0 and I % 128 == 0 (H={H}, I={I})")
     mode = problem.kernel_mode
     block = problem.sf_block
+    fused = problem.use_fused_finalize
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
     dummy = _dummies(device)
     route(problem.token_selected_experts, E, problem.local_expert_offset, routing, enable_pdl)
@@ -282,7 +334,6 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     buf = {name: _check(name, getattr(buffers, name)[:n], getattr(buffers, name).dtype, device, n, 16) if n
            else dummy[getattr(buffers, name).dtype] for name, n in sizes.items()}
     maps = [routing.permuted_to_expanded, routing.tile_to_expert, routing.tile_to_mn_limit, routing.num_live_tiles]
-    w = problem.weights
     fc2_scale = problem.fc2_input_scale if problem.fc2_input_scale is not None else dummy[f32]
     if problem.quant_mode == "w4a16":
         x_bf16, x_q, x_sf = _check("x", problem.x, bf16, device, T * H, 16), dummy[u8], dummy[u8]
@@ -293,27 +344,62 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
         x_sf = _check("x_sf", problem.x_sf, u8, device, T * H // block)
     pts = (_check("per_token_scale", problem.per_token_scale, f32, device, T) if problem.per_token_scale is not None
            else dummy[f32])
+    scales = _check("token_final_scales", problem.token_final_scales, f32, device, T * K)
+    out_flat = _check("moe_output", out, bf16, device, T * H, 16)
+    w1_alpha = _check("w1_alpha", problem.w1_alpha, f32, device, E)
+    w2_alpha = _check("w2_alpha", problem.w2_alpha, f32, device, E)
     tile = routing.tile_size
-    launch(f"moe_gemm1_{mode}_{problem.activation.kind}_t{tile}", [
-        x_bf16, x_q, x_sf, pts,
-        _weight_view(_check("w1_weight", w.w1, u8, device, E * n1 * H // 2, 16)),
-        _check("w1_weight_sf", w.w1_sf_bytes(), u8, device, swizzled_size(E, n1, H // block), 16),
-        _check("w1_alpha", problem.w1_alpha, f32, device, E), *maps,
-        buf["intermediate_bf16"], buf["intermediate_q"], buf["intermediate_sf"], fc2_scale,
-    ], [H, n1, K, *activation_params(problem.activation), k_splits[0]], enable_pdl, device)
+    parts = problem.shards if problem.shards is not None else [problem.weights]
+    n1, h_part = problem.n1 // len(parts), H // len(parts)  # weight rows of each part's FC1 and FC2
+    inter_part = I // len(parts)
+    act = activation_params(problem.activation)
+
+    def gemm1(d: int) -> None:
+        w = parts[d]
+        launch(f"moe_gemm1_{mode}_{problem.activation.kind}_t{tile}", [
+            x_bf16, x_q, x_sf, pts,
+            _weight_view(_check("w1_weight", w.w1, u8, device, E * n1 * H // 2, 16)),
+            _check("w1_weight_sf", w.w1_sf_bytes(), u8, device, swizzled_size(E, n1, H // block), 16),
+            w1_alpha, *maps, buf["intermediate_bf16"], buf["intermediate_q"], buf["intermediate_sf"], fc2_scale,
+        ], [H, n1, I, d * inter_part, K, *act, k_splits[0]], enable_pdl, device)
+
+    def gemm2(d: int) -> None:
+        w = parts[d]
+        launch(f"moe_gemm2_{mode}_t{tile}", [
+            buf["intermediate_bf16"], buf["intermediate_q"], buf["intermediate_sf"], buf["row_scale"],
+            _weight_view(_check("w2_weight", w.w2, u8, device, E * h_part * I // 2, 16)),
+            _check("w2_weight_sf", w.w2_sf_bytes(), u8, device, swizzled_size(E, h_part, I // block), 16),
+            w2_alpha, scales, *maps, out_flat if fused else buf["slot_output"],
+        ], [h_part, I, H, d * h_part, K, fused, k_splits[1]], enable_pdl, device)
+
+    def on_parts(kernel) -> None:
+        if shard_streams is None or len(parts) == 1:
+            for d in range(len(parts)):
+                kernel(d)
+            return
+        call(shard_streams.fork)
+        for d, stream in enumerate(shard_streams.streams):
+            with on_side_stream(stream):
+                kernel(d)
+        call(shard_streams.join)
+
+    if fused:  # zero the output while GEMM1 runs
+        if aux is None:
+            memset_async(out_flat, None)
+        else:
+            call(aux.fork)
+            memset_async(out_flat, aux.streams[0])
+    on_parts(gemm1)
     if mode == "w4a4_pt":
         launch("moe_fc2_quant_per_token", [buf["intermediate_bf16"], routing.permuted_to_expanded, fc2_scale,
                                            buf["intermediate_q"], buf["intermediate_sf"], buf["row_scale"]],
                [I], enable_pdl, device)
-    scales = _check("token_final_scales", problem.token_final_scales, f32, device, T * K)
-    launch(f"moe_gemm2_{mode}_t{tile}", [
-        buf["intermediate_bf16"], buf["intermediate_q"], buf["intermediate_sf"], buf["row_scale"],
-        _weight_view(_check("w2_weight", w.w2, u8, device, E * H * I // 2, 16)),
-        _check("w2_weight_sf", w.w2_sf_bytes(), u8, device, swizzled_size(E, H, I // block), 16),
-        _check("w2_alpha", problem.w2_alpha, f32, device, E), scales, *maps, buf["slot_output"],
-    ], [H, I, problem.use_fused_finalize, k_splits[1]], enable_pdl, device)
-    launch("moe_finalize", [
-        buf["slot_output"], _check("expanded_to_permuted", routing.expanded_to_permuted, i32, device, T * K), scales,
-        _check("moe_output", out, bf16, device, T * H, 16),
-    ], [H, K, problem.use_fused_finalize], enable_pdl, device)
+    if fused and aux is not None:
+        call(aux.join)
+    on_parts(gemm2)
+    if not fused:
+        launch("moe_finalize", [
+            buf["slot_output"], _check("expanded_to_permuted", routing.expanded_to_permuted, i32, device, T * K),
+            scales, out_flat,
+        ], [H, K], enable_pdl, device)
     return out

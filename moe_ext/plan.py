@@ -40,25 +40,30 @@ class ForwardPlan:
     weights: tuple  # the weight tensors of the recorded run (identity and data pointer must match)
     weight_pointers: tuple
     inputs: dict  # role -> InputSpec or None (absent)
-    launches: list  # (kernel, buffers with the per-call entries still from the recorded run, patches, scalars, pdl)
+    # Host steps (callables) and launches: (kernel, buffers with the per-call entries still from the recorded run,
+    # patches, scalars, pdl, side stream or None for the caller's current stream)
+    steps: list
     out: torch.Tensor
     tuning_generation: int
 
     @classmethod
     def from_recording(cls, recorded: list, weights: tuple, inputs: dict, out: torch.Tensor,
                        tuning_generation: int) -> "ForwardPlan | None":
-        """The plan of a recorded run (launcher.recording()); None if a recorded per-call buffer is not the
-        tensor passed for its role (nothing to patch it from)."""
-        launches = []
-        for name, buffers, scalars, pdl, roles in recorded:
+        """The plan of a recorded run (launcher.recording(): Launch and Call steps); None if a recorded per-call
+        buffer is not the tensor passed for its role (nothing to patch it from)."""
+        steps = []
+        for step in recorded:
+            if not hasattr(step, "buffers"):  # a host step (event fork/join, memset): replayed as is
+                steps.append(step.fn)
+                continue
             patches = []
-            for i, role in roles:
+            for i, role in step.roles:
                 t = inputs.get(role)
-                if t is None or t.data_ptr() != buffers[i][0]:
+                if t is None or t.data_ptr() != step.buffers[i][0]:
                     return None
-                patches.append((i, role, buffers[i][1]))
-            launches.append((name, list(buffers), tuple(patches), scalars, pdl))
-        return cls(weights, _pointers(weights), {role: InputSpec.of(t) for role, t in inputs.items()}, launches,
+                patches.append((i, role, step.buffers[i][1]))
+            steps.append((step.name, list(step.buffers), tuple(patches), step.scalars, step.pdl, step.stream))
+        return cls(weights, _pointers(weights), {role: InputSpec.of(t) for role, t in inputs.items()}, steps,
                    out, tuning_generation)
 
     def matches(self, weights: tuple, tuning_generation: int) -> bool:
@@ -86,12 +91,16 @@ class ForwardPlan:
 
         module = launcher._module()
         stream = torch.cuda.current_stream(self.out.device).cuda_stream
-        for name, buffers, patches, scalars, pdl in self.launches:
+        for step in self.steps:
+            if callable(step):
+                step()
+                continue
+            name, buffers, patches, scalars, pdl, side = step
             if patches:
                 buffers = list(buffers)
                 for i, role, numel in patches:
                     buffers[i] = (pointers[role], numel)
-            module.launch(name, buffers, scalars, pdl, stream)
+            module.launch(name, buffers, scalars, pdl, stream if side is None else side.cuda_stream)
         return self.out
 
 

@@ -80,6 +80,7 @@ class MoEProblem:
     localized_sm_count: int | None = None
     localized_memset_stream: object | None = None
     localized_allow_nonlocalized: bool = False
+    aux_stream: object | None = None  # where the fused finalize zeroes the output, overlapping GEMM1
     tile_size: int = 128  # routing tile of the reference path (rows per expert padded to it); the wrapper sets it
     enable_pdl: bool = True
 

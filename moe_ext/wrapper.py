@@ -12,6 +12,11 @@ Capture recipe (GPU): construct with `use_cuda_graph=True` and `max_num_tokens`;
 bucket (inside `autotune(True)` if you tune) so kernels are compiled and tactics chosen; then capture
 `wrapper.run(...)` in `torch.cuda.graph(g)` over static input tensors and replay it after copying new
 activations and routing into them. No allocation, host sync or compile happens inside a captured run.
+
+Localized execution (semantics §4): `localized=True` makes two SM partitions (green contexts of
+`localized_sm_count` SMs each, with their streams and memory pools) once; `localize(prepared_weights)` builds
+the two weight shards inside the partitions' pools and keeps them; every later run executes FC1 and FC2 of the two
+shards concurrently on the partitions' streams.
 """
 from __future__ import annotations
 
@@ -53,6 +58,9 @@ class CuteDslMoEWrapper:
         situ_linear_beta: float | None = None,
         use_fused_finalize: bool = True,
         quant_mode: str = "w4a4",
+        *,
+        localized: bool = False,
+        localized_sm_count: int | None = None,
     ) -> None:
         self.quant_mode = canonical_quant_mode(quant_mode)
         self.activation = Activation.resolve(activation_type, swiglu_alpha, swiglu_beta, swiglu_limit, situ_beta,
@@ -91,11 +99,22 @@ class CuteDslMoEWrapper:
         self.workspace: MoEWorkspace | None = None
         self._plans: dict = {}  # (x shape, tactic) -> ForwardPlan of the last validated run (moe_ext/plan.py)
         self.aux_stream = None
-        self.events = None
         if use_cuda_graph and self.device.type == "cuda":
             # Created outside any capture and reused inside it for the memset / GEMM1 overlap.
             self.aux_stream = torch.cuda.Stream(self.device)
-            self.events = (torch.cuda.Event(), torch.cuda.Event())
+        if not isinstance(localized, bool):
+            raise TypeError(f"localized must be a bool, got {type(localized).__name__}")
+        if localized_sm_count is not None and not localized:
+            raise ValueError("localized_sm_count was given without localized=True")
+        self.domains = None  # moe_ext.streams.LocalityDomains (GPU), kept for the wrapper's life
+        self.localized_weights: list | None = None
+        self.localized = localized
+        self.localized_sm_count = localized_sm_count
+        if localized and self.device.type == "cuda":
+            from .streams import LocalityDomains
+
+            self.domains = LocalityDomains.create(self.device, localized_sm_count)
+            self.localized_sm_count = self.domains.sm_count
         if max_num_tokens is not None:
             self.workspace = self._allocate(max_num_tokens)
 
@@ -118,6 +137,18 @@ class CuteDslMoEWrapper:
         self._plans.clear()  # recorded launches point into the old workspace
         return self.workspace
 
+    def localize(self, prepared) -> list[dict]:
+        """Build and keep the two localized shards of `prepared` (moe_ext.PreparedWeights) in the partitions'
+        memory pools; later runs use them (the full-width weights passed to run() then only give metadata)."""
+        from .quant import split_localized_shards
+
+        if not self.localized:
+            raise ValueError("localize() needs a wrapper built with localized=True")
+        self.localized_weights = split_localized_shards(
+            prepared, pools=self.domains.pools if self.domains is not None else None)
+        self._plans.clear()
+        return self.localized_weights
+
     def get_valid_tactics(self) -> list[tuple]:
         """Tactics `run(..., tactic=)` accepts: on Hopper (routing tile, GEMM1 K split, GEMM2 K split), on the
         reference path (routing tile,)."""
@@ -126,6 +157,8 @@ class CuteDslMoEWrapper:
     def run(self, x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
             fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, tactic=None, *, per_token_scale=None):
         weights = (w1_weight, w1_weight_sf, w1_alpha, fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha)
+        if self.localized_weights is not None:
+            weights += tuple(shard[k] for shard in self.localized_weights for k in sorted(shard))
         inputs = dict(x=x, x_sf=x_sf, token_selected_experts=token_selected_experts,
                       token_final_scales=token_final_scales, per_token_scale=per_token_scale)
         tuner = AutoTuner.get()
@@ -146,15 +179,21 @@ class CuteDslMoEWrapper:
 
     def _run_validated(self, inputs: dict, weights: tuple, tactic):
         x, x_sf, token_selected_experts, token_final_scales, per_token_scale = (inputs[r] for r in ROLES)
-        w1_weight, w1_weight_sf, w1_alpha, fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha = weights
+        w1_weight, w1_weight_sf, w1_alpha, fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha = weights[:7]
+        localized = {}
+        if self.localized_weights is not None:
+            localized = dict(localized_weights=self.localized_weights, localized_sm_count=self.localized_sm_count,
+                             localized_streams=self.domains.streams if self.domains is not None else None,
+                             localized_memset_stream=self.aux_stream)
         problem = build_problem(
             x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
             fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, self.num_experts, self.top_k,
             self.num_local_experts, self.local_expert_offset, self.output_dtype, self.use_fused_finalize, None,
             self.activation.activation_type, self.activation.swiglu_alpha, self.activation.swiglu_beta,
             self.activation.swiglu_limit, self.activation.situ_beta, self.activation.situ_linear_beta,
-            quant_mode=self.quant_mode, per_token_scale=per_token_scale)
+            quant_mode=self.quant_mode, per_token_scale=per_token_scale, **localized)
         problem.tile_size = self.tile_size
+        problem.aux_stream = self.aux_stream
         problem.enable_pdl = self.enable_pdl
         if (problem.hidden_size, problem.intermediate_size) != (self.hidden_size, self.intermediate_size):
             raise ValueError(f"weights give (hidden_size, intermediate_size) = ({problem.hidden_size}, "

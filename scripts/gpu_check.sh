@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The H200 run, in two parts that each fit one device call (10 minutes):
-#   tests: install, every test (GPU ones included), memcheck of every kernel, the examples
-#   bench: install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
+# The H200 run, in parts that each fit one device call (10 minutes):
+#   tests:     install, every test (GPU ones included), memcheck of every kernel, the examples
+#   bench:     install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
+#   localized: install, the localized / fused-finalize / graph tests, memcheck, the localized benchmark
 # Logs and a summary go to $OUT. Prepare here, then run there (the device tool, carry .kernels):
 #   python3 -m moe_ext.kernels.sm90.build .kernels          # here, with CuTe-DSL
 #   OUT=$OUT bash scripts/gpu_check.sh tests                # there
@@ -31,6 +32,17 @@ if [ "$PART" = tests ]; then
   step serving_loop 60 python3 examples/serving_loop.py --steps 50
   step compile_layer 90 python3 examples/compile_layer.py
   step quickstart 60 python3 examples/quickstart.py
+elif [ "$PART" = localized ]; then
+  step pytest_localized 300 python3 -m pytest -q -p no:cacheprovider tests/test_localized.py tests/test_plan.py \
+    tests/test_hopper_kernels.py -k "localized or fused_finalize or graph_capture or acceptance" -rs
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_localized.log" | head -20 | tee -a "$OUT/summary.txt"
+  step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/memcheck_smoke.py
+  step compile_layer 90 python3 examples/compile_layer.py
+  step bench_localized 240 python3 benchmarks/bench_localized.py --out "$OUT/h200_localized.json"
+elif [ "$PART" = bench_fused ]; then
+  step bench_localized 240 python3 benchmarks/bench_localized.py --out "$OUT/h200_localized.json"
+  step bench_fused 300 python3 -m moe_ext.bench --tokens 1,64,1024,4096 --modes w4a16 --finalize fused \
+    --iters 30 --max-seconds-per-point 1.5 --out "$OUT/h200_fused.json"
 else
   step bench_moe 420 python3 -m moe_ext.bench --tokens 1,64,1024,4096 --modes w4a16,w4a4,w4a8 \
     --finalize deterministic --iters 30 --max-seconds-per-point 1.5 --out "$OUT/h200.json"

@@ -21,5 +21,17 @@ for mode, act in (("w4a16", "situ_linear"), ("w4a16", "relu2"), ("w4a4", "swiglu
             assert backend_for(problem) is HOPPER
             for tactic in HOPPER.tactics(problem):  # every token tile
                 out = moe_ext.cute_dsl_fused_moe(**kw, tactic=tactic)
+# Localized shards on two side streams (fused and deterministic), every tactic.
+streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+for mode in ("w4a4", "w4a16"):
+    case = make_case(mode, num_tokens=9, top_k=3, num_experts=8, hidden=256, inter=256, invalid_fraction=0.1).to(
+        "cuda")
+    shards = moe_ext.split_localized_shards(case.prepared)
+    for fused in (True, False):
+        kw = case.kwargs(use_fused_finalize=fused, localized_weights=shards, localized_streams=streams)
+        problem = build_problem(**kw)
+        assert backend_for(problem) is HOPPER
+        for tactic in HOPPER.tactics(problem):
+            moe_ext.cute_dsl_fused_moe(**kw, tactic=tactic)
 torch.cuda.synchronize()
 print("memcheck smoke: ok")

@@ -119,7 +119,10 @@ def test_wrapper_graph_capture_replays_with_new_routing(mode):
             graph.replay()
             eager = moe_ext.cute_dsl_fused_moe(**{**base.kwargs(use_fused_finalize=fused), **new})
             torch.cuda.synchronize()
-            assert torch.equal(captured, eager), f"replay {step} differs from the eager run"
+            if fused:  # bf16 atomic adds: the order of the K contributions may differ (semantics §2.6)
+                assert rel_l2(captured, eager) <= 5e-3, step
+            else:
+                assert torch.equal(captured, eager), f"replay {step} differs from the eager run"
 
 
 def test_op_under_torch_compile_reduce_overhead():
@@ -184,3 +187,17 @@ def test_flashinfer_acceptance_rule_on_the_kernels(mode, act, fused):
     assert flashinfer_check(out, ref)
     other = make_case(mode, act, num_tokens=16, top_k=2, num_experts=8, hidden=256, inter=256, seed=7).to("cuda")
     assert not flashinfer_check(moe_ext.cute_dsl_fused_moe(**other.kwargs()).cpu(), ref)
+
+
+def test_fused_finalize_zeroes_the_output_on_an_aux_stream():
+    """With aux_stream the output memset runs there, overlapping GEMM1, and GEMM2 waits for it: a poisoned output
+    is fully overwritten and the result matches the in-order memset (up to the atomic order)."""
+    case = make_case("w4a4", num_tokens=33, top_k=8, num_experts=32, hidden=1024, inter=512, seed=4).to("cuda")
+    kw = case.kwargs(use_fused_finalize=True)
+    in_order = moe_ext.cute_dsl_fused_moe(**kw)
+    poisoned = torch.full_like(in_order, float("nan"))
+    aux = torch.cuda.Stream()
+    out = moe_ext.cute_dsl_fused_moe(**kw, moe_output=poisoned, aux_stream=aux)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert rel_l2(out, in_order) <= 5e-3

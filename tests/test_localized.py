@@ -38,3 +38,96 @@ def test_full_width_weights_are_not_read_when_shards_are_given():
     kw.pop("localized_weights")
     with pytest.raises(RuntimeError):
         moe_ext.cute_dsl_fused_moe(**kw)
+
+
+# ---- on the H200: the kernels run each shard on its own green-context stream -------------------------------------
+
+def _hopper_kernels():
+    from moe_ext import launcher
+
+    return (torch.cuda.is_available() and launcher.hopper_device(torch.device("cuda"))
+            and launcher.has_kernel("moe_gemm2_w4a4_t8"))
+
+
+hopper = pytest.mark.skipif(not _hopper_kernels(), reason="needs sm_90 and the kernels")
+
+
+@pytest.fixture(scope="module")
+def domains():
+    from moe_ext.streams import LocalityDomains
+
+    return LocalityDomains.create("cuda")
+
+
+def rel_l2(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_pt", "w4a8"])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("act", ["swiglu", "relu2"])
+def test_localized_kernels_on_green_contexts_match_full_width(domains, mode, fused, act):
+    """Shards built in the domains' pools, run on the green-context streams, with storage-less full-width
+    placeholders (the launcher refuses null pointers, so nothing reads them). Deterministic: bitwise equal to the
+    full-width kernels; fused: equal up to the order of the bf16 atomic adds."""
+    from moe_ext.backends import HOPPER, backend_for
+    from moe_ext.problem import build_problem
+
+    case = make_case(mode, act, num_tokens=37, top_k=8, num_experts=32, hidden=1024, inter=512, seed=9,
+                     invalid_fraction=0.05, weight_scale=0.05).to("cuda")
+    full = moe_ext.cute_dsl_fused_moe(**case.kwargs(use_fused_finalize=fused))
+    shards = moe_ext.split_localized_shards(case.prepared, pools=domains.pools)
+    kw = case.kwargs(use_fused_finalize=fused, localized_weights=shards, localized_streams=domains.streams,
+                     localized_sm_count=domains.sm_count, localized_memset_stream=torch.cuda.Stream())
+    for name in ("w1_weight", "w2_weight", "w1_weight_sf", "w2_weight_sf"):
+        kw[name] = storage_less(kw[name])
+    assert backend_for(build_problem(**kw)) is HOPPER
+    poisoned = torch.full_like(full, float("nan"))
+    local = moe_ext.cute_dsl_fused_moe(**kw, moe_output=poisoned)
+    torch.cuda.synchronize()
+    assert torch.isfinite(local).all()
+    if fused:
+        assert rel_l2(local, full) <= 5e-3
+    else:
+        assert torch.equal(local, full)
+
+
+@hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
+def test_localized_wrapper_captured_once_replays_with_new_routing(fused):
+    """The wrapper keeps its green contexts, streams and shards; one capture replays 100 times with new routing
+    and activations, matching eager full-width runs (deterministic: bitwise)."""
+    from conftest import routing
+
+    E, K, H, I, T = 32, 8, 1024, 512, 48
+    base = make_case("w4a4", num_tokens=T, top_k=K, num_experts=E, hidden=H, inter=I, seed=3).to("cuda")
+    wrapper = moe_ext.CuteDslMoEWrapper(E, K, H, I, use_cuda_graph=True, max_num_tokens=T, quant_mode="w4a4",
+                                        device="cuda", use_fused_finalize=fused, localized=True)
+    assert wrapper.domains is not None and len(wrapper.domains.streams) == 2
+    wrapper.localize(base.prepared)
+    run_args = ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_weight", "w1_weight_sf",
+                "w1_alpha", "fc2_input_scale", "w2_weight", "w2_weight_sf", "w2_alpha")
+    static = {k: v.clone() if isinstance(v, torch.Tensor) else v
+              for k, v in base.kwargs().items() if k in run_args}
+    wrapper.run(**static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = wrapper.run(**static)
+    g = torch.Generator().manual_seed(1)
+    for step in range(100):
+        ids, scales = routing(T, K, E, g, invalid_fraction=0.05 * (step % 2))
+        act = moe_ext.quantize_activation(torch.randn(T, H, generator=g), "w4a4", global_scale=16.0)
+        new = dict(x=act.x.cuda(), x_sf=act.x_sf.cuda(), token_selected_experts=ids.cuda(),
+                   token_final_scales=scales.cuda())
+        for name, value in new.items():
+            static[name].copy_(value)
+        graph.replay()
+        eager = moe_ext.cute_dsl_fused_moe(**{**base.kwargs(use_fused_finalize=fused), **new})
+        torch.cuda.synchronize()
+        if fused:
+            assert rel_l2(captured, eager) <= 5e-3, step
+        else:
+            assert torch.equal(captured, eager), f"replay {step} differs from the eager full-width run"

@@ -1,11 +1,15 @@
 """ForwardPlan: a recorded forward replays its launches with the next call's per-call tensors, and refuses (so the
 validated path runs) whatever it was not recorded for."""
+import contextlib
+
+import pytest
 import torch
 from conftest import make_case
 
 import moe_ext
 from moe_ext import launcher
-from moe_ext.plan import ForwardPlan
+from moe_ext.launcher import Launch
+from moe_ext.plan import ROLES, ForwardPlan
 
 
 class FakeModule:
@@ -15,21 +19,24 @@ class FakeModule:
     def launch(self, name, buffers, scalars, pdl, stream):
         self.calls.append((name, buffers, scalars, pdl))
 
+    def memset_async(self, ptr, nbytes, stream):
+        self.calls.append(("memset", [(ptr, nbytes)], [], False))
+
 
 def recorded_run(weights, inputs):
     """What launcher.recording() collects for a forward: routing reads the ids, GEMM1 reads x and w1, finalize
     reads the router weights; per-call buffers carry their role."""
     ptr = lambda t: (t.data_ptr(), t.numel())  # noqa: E731
-    return [("moe_routing", [ptr(inputs["token_selected_experts"]), (1234, 8)], [8.0, 0.0, 8.0], True,
-             ((0, "token_selected_experts"),)),
-            ("moe_gemm1", [ptr(inputs["x"]), ptr(weights[0]), (5678, 16)], [128.0, 1.0], True, ((0, "x"),)),
-            ("moe_finalize", [ptr(inputs["token_final_scales"]), (9999, 64)], [128.0], False,
-             ((0, "token_final_scales"),))]
+    return [Launch("moe_routing", [ptr(inputs["token_selected_experts"]), (1234, 8)], [8.0, 0.0, 8.0], True,
+                   ((0, "token_selected_experts"),)),
+            Launch("moe_gemm1", [ptr(inputs["x"]), ptr(weights[0]), (5678, 16)], [128.0, 1.0], True, ((0, "x"),)),
+            Launch("moe_finalize", [ptr(inputs["token_final_scales"]), (9999, 64)], [128.0], False,
+                   ((0, "token_final_scales"),))]
 
 
 def issued(recorded):
     """The launches as the C++ launcher receives them."""
-    return [(name, buffers, scalars, pdl) for name, buffers, scalars, pdl, _ in recorded]
+    return [(step.name, step.buffers, step.scalars, step.pdl) for step in recorded]
 
 
 def make_inputs(seed):
@@ -78,8 +85,8 @@ def test_an_input_aliasing_a_fixed_buffer_is_patched_only_where_it_is_an_input(m
     weights = (torch.zeros(4, dtype=torch.uint8),)
     first = make_inputs(0)
     recorded = recorded_run(weights, first)
-    name, buffers, scalars, pdl, roles = recorded[2]
-    recorded[2] = (name, buffers[:1] + [(first["x"].data_ptr(), 256)], scalars, pdl, roles)  # finalize writes at x
+    finalize = recorded[2]  # finalize writes at x
+    recorded[2] = finalize._replace(buffers=finalize.buffers[:1] + [(first["x"].data_ptr(), 256)])
     plan = ForwardPlan.from_recording(recorded, weights, first, torch.empty(1), 0)
     fake = FakeModule()
     monkeypatch.setattr(launcher, "_module", lambda: fake)
@@ -119,38 +126,112 @@ RUN_ARGS = ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_wei
             "fc2_input_scale", "w2_weight", "w2_weight_sf", "w2_alpha")
 
 
-def test_the_kernel_forward_marks_exactly_the_per_call_buffers(monkeypatch):
-    """launcher.forward on CPU tensors with the C++ module faked: every launch gets plain (pointer, numel)
-    buffers, and the recorded roles are the activations, router weights and ids of this call."""
+class FakeStream:
+    def __init__(self, handle):
+        self.cuda_stream = handle
+
+
+class FakeForkJoin:
+    """moe_ext.streams.ForkJoin's interface, noting its calls in the fake module's log."""
+
+    def __init__(self, log, handles):
+        self.log, self.streams = log, [FakeStream(h) for h in handles]
+
+    def fork(self):
+        self.log.append(("fork", [], [], False))
+
+    def join(self):
+        self.log.append(("join", [], [], False))
+
+
+def fake_forward(monkeypatch, mode, fused, shards=False, aux=False, per_token=False):
+    """launcher.forward on CPU tensors with the C++ module, streams and events faked: (recorded steps, log of
+    what the module saw, kwargs, out)."""
     from moe_ext.problem import build_problem
 
     fake = FakeModule()
     monkeypatch.setattr(launcher, "_module", lambda: fake)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
-    for mode in ("w4a16", "w4a4", "w4a8"):
-        case = make_case(mode, num_tokens=5, top_k=2, num_experts=8, hidden=256, inter=256)
-        kw = case.kwargs()
-        if mode == "w4a4":
-            kw["per_token_scale"] = torch.rand(5) + 0.5
-        problem = build_problem(**kw)
-        routing = launcher.allocate_routing(5, 2, 8, 8, "cpu")
-        monkeypatch.setattr(launcher, "route", lambda ids, *a, **k: launcher.launch(
-            "moe_routing", [launcher._check("token_selected_experts", ids, torch.int32, ids.device)], [], True,
-            ids.device))
-        buffers = launcher.KernelBuffers.allocate(mode, routing.permuted_to_expanded.numel(), 256, 10, 256, "cpu")
-        out = torch.empty(5, 256, dtype=torch.bfloat16)
-        fake.calls.clear()
-        with launcher.recording() as recorded:
-            launcher.forward(problem, routing, buffers, out, True, (1, 2))
-        names = [name for name, *_ in recorded]
-        assert names[0] == "moe_routing" and names[-1] == "moe_finalize"
-        assert all(isinstance(p, int) and isinstance(n, int) for _, bufs, *_ in fake.calls for p, n in bufs)
-        roles = {role for *_, rs in recorded for _, role in rs}
-        expected = {"x", "token_selected_experts", "token_final_scales"}
-        expected |= {"x_sf"} if mode != "w4a16" else set()
-        expected |= {"per_token_scale"} if mode == "w4a4" else set()
-        assert roles == expected, (mode, roles)
-        assert ForwardPlan.from_recording(recorded, (), {r: kw.get(r) for r in ("x", "x_sf", "per_token_scale",
-                                                                            "token_selected_experts",
-                                                                            "token_final_scales")},
-                                          out, 0) is not None
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(0))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(launcher, "route", lambda ids, *a, **k: launcher.launch(
+        "moe_routing", [launcher._check("token_selected_experts", ids, torch.int32, ids.device)], [], True,
+        ids.device))
+    case = make_case(mode, num_tokens=5, top_k=2, num_experts=8, hidden=256, inter=256)
+    kw = case.kwargs(use_fused_finalize=fused)
+    if per_token:
+        kw["per_token_scale"] = torch.rand(5) + 0.5
+    if shards:
+        kw["localized_weights"] = moe_ext.split_localized_shards(case.prepared)
+    problem = build_problem(**kw)
+    routing = launcher.allocate_routing(5, 2, 8, 8, "cpu")
+    buffers = launcher.KernelBuffers.allocate(mode, routing.permuted_to_expanded.numel(), 256, 10, 256, "cpu")
+    out = torch.empty(5, 256, dtype=torch.bfloat16)
+    with launcher.recording() as recorded:
+        launcher.forward(problem, routing, buffers, out, True, (1, 2),
+                         aux=FakeForkJoin(fake.calls, [7]) if aux else None,
+                         shard_streams=FakeForkJoin(fake.calls, [11, 12]) if shards else None)
+    return recorded, fake.calls, kw, out
+
+
+@pytest.mark.parametrize("mode,per_token", [("w4a16", False), ("w4a4", False), ("w4a4", True), ("w4a8", False)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_kernel_forward_marks_exactly_the_per_call_buffers(monkeypatch, mode, per_token, fused):
+    """Every launch gets plain (pointer, numel) buffers, and the recorded roles are the activations, router
+    weights and ids of this call."""
+    recorded, calls, kw, out = fake_forward(monkeypatch, mode, fused, per_token=per_token)
+    launches = [step for step in recorded if isinstance(step, Launch)]
+    assert launches[0].name == "moe_routing"
+    assert all(isinstance(p, int) and isinstance(n, int) for _, bufs, *_ in calls for p, n in bufs)
+    roles = {role for step in launches for _, role in step.roles}
+    expected = {"x", "token_selected_experts", "token_final_scales"}
+    expected |= {"x_sf"} if mode != "w4a16" else set()
+    expected |= {"per_token_scale"} if per_token else set()
+    assert roles == expected, (mode, roles)
+    assert ForwardPlan.from_recording(recorded, (), {r: kw.get(r) for r in ROLES}, out, 0) is not None
+
+
+@pytest.mark.parametrize("aux", [False, True])
+def test_fused_finalize_zeroes_the_output_and_gemm2_adds_into_it(monkeypatch, aux):
+    """Fused: the output is memset (on the aux stream between a fork and a join that precedes GEMM2, or in order
+    on the caller's stream), GEMM2 takes the output itself with fused=1, and no finalize kernel runs."""
+    _, calls, _, out = fake_forward(monkeypatch, "w4a4", True, aux=aux)
+    names = [c[0] for c in calls]
+    gemm1 = next(n for n in names if n.startswith("moe_gemm1"))
+    gemm2 = next(n for n in names if n.startswith("moe_gemm2"))
+    expected = ["moe_routing"] + (["fork", "memset"] if aux else ["memset"]) + [gemm1] + (["join"] if aux else [])
+    assert names == expected + [gemm2]
+    memset = calls[names.index("memset")]
+    assert memset[1] == [(out.data_ptr(), out.numel() * 2)]
+    g2 = calls[names.index(gemm2)]
+    assert g2[1][-1] == (out.data_ptr(), out.numel())  # destination: the output rows, not the slot buffer
+    assert g2[2][-2] == 1.0  # fused flag
+    _, calls, _, _ = fake_forward(monkeypatch, "w4a4", False)
+    assert [c[0] for c in calls][-1] == "moe_finalize" and "memset" not in [c[0] for c in calls]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_localized_forward_runs_each_shard_on_its_stream_with_column_offsets(monkeypatch, fused):
+    """Two shards: FC1 of each writes intermediate columns [d*I/2, (d+1)*I/2) of the full-width rows, FC2 of each
+    output columns [d*H/2, (d+1)*H/2), each on its shard's stream between a fork and a join; a plan replays the
+    side launches on the same streams."""
+    recorded, calls, kw, out = fake_forward(monkeypatch, "w4a4", fused, shards=True)
+    H = I = 256
+    names = [c[0] for c in calls]
+    g1 = [i for i, n in enumerate(names) if n.startswith("moe_gemm1")]
+    g2 = [i for i, n in enumerate(names) if n.startswith("moe_gemm2")]
+    assert len(g1) == len(g2) == 2
+    assert names[g1[0] - 1] == "fork" and names[g1[1] + 1] == "join"
+    assert names[g2[0] - 1] == "fork" and names[g2[1] + 1] == "join"
+    # GEMM1 scalars: H, N1 of the shard, I (row pitch), column offset, ...
+    assert [calls[i][2][:4] for i in g1] == [[H, I, I, 0], [H, I, I, I // 2]]
+    # GEMM2 scalars: weight rows of the shard, I, H (row pitch), column offset, ...
+    assert [calls[i][2][:4] for i in g2] == [[H // 2, I, H, 0], [H // 2, I, H, H // 2]]
+    side = [step.stream.cuda_stream for step in recorded if isinstance(step, Launch) and step.stream is not None]
+    assert side == [11, 12, 11, 12]
+    plan = ForwardPlan.from_recording(recorded, (), {r: kw.get(r) for r in ROLES}, out, 0)
+    fake = launcher._module()
+    fake.calls.clear()
+    streams_seen = []
+    fake.launch = lambda name, buffers, scalars, pdl, stream: streams_seen.append((name, stream))
+    assert plan.run({r: kw.get(r) for r in ROLES}) is out
+    assert [s for n, s in streams_seen if n.startswith("moe_gemm")] == [11, 12, 11, 12]

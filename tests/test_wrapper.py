@@ -27,7 +27,11 @@ def wrapper_for(case, **over):
 
 
 def test_constructor_signature_matches_flashinfer():
-    params = list(inspect.signature(CuteDslMoEWrapper).parameters)
+    """FlashInfer's positional parameters, in order; our additions (localized execution) are keyword-only."""
+    signature = inspect.signature(CuteDslMoEWrapper).parameters
+    params = [n for n, p in signature.items() if p.kind != inspect.Parameter.KEYWORD_ONLY]
+    assert [n for n, p in signature.items() if p.kind == inspect.Parameter.KEYWORD_ONLY] == [
+        "localized", "localized_sm_count"]
     assert params == ["num_experts", "top_k", "hidden_size", "intermediate_size", "use_cuda_graph", "max_num_tokens",
                       "num_local_experts", "local_expert_offset", "tile_size", "sf_vec_size", "output_dtype",
                       "device", "enable_pdl", "activation_type", "swiglu_alpha", "swiglu_beta", "swiglu_limit",
@@ -108,3 +112,20 @@ def test_wrapper_tile_size_sets_the_routing_padding():
     wrapper.run(**run_kwargs(case))
     offsets = wrapper.workspace.expert_offsets
     assert (offsets % 64 == 0).all() and int(offsets[-1]) > 0
+
+
+def test_localized_wrapper_keeps_its_shards_and_matches_full_width():
+    """On CPU (no green contexts) the shards run one after the other on the reference path: deterministic results
+    equal the full-width wrapper's bitwise, and the shards are built once and reused."""
+    case = make_case("w4a4", num_tokens=6, top_k=2, hidden=256, inter=256, seed=2)
+    cfg = dict(hidden_size=256, intermediate_size=256, use_fused_finalize=False)
+    full = wrapper_for(case, **cfg).run(**run_kwargs(case))
+    local = wrapper_for(case, **cfg, localized=True)
+    assert local.domains is None  # CPU: no SM partitions
+    shards = local.localize(case.prepared)
+    assert local.localized_weights is shards and len(shards) == 2
+    assert torch.equal(local.run(**run_kwargs(case)), full)
+    with pytest.raises(ValueError, match="localized=True"):
+        wrapper_for(case, **cfg).localize(case.prepared)
+    with pytest.raises(ValueError, match="localized_sm_count was given without localized=True"):
+        wrapper_for(case, **cfg, localized_sm_count=32)

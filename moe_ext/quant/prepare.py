@@ -194,13 +194,16 @@ def slice_experts(prepared: PreparedWeights, start: int, count: int) -> Prepared
     return dataclasses.replace(prepared, **sliced)
 
 
-def split_localized_shards(prepared: PreparedWeights) -> list[dict]:
+def split_localized_shards(prepared: PreparedWeights, pools: list | None = None) -> list[dict]:
     """Split prepared weights into the two locality-domain shards of semantics §4.
 
     FC1: contiguous halves of the (interleaved) rows, i.e. intermediate columns [0, I/2) and [I/2, I).
     FC2: halves of the output (hidden) rows, full reduction dim. Scales are split unswizzled and re-swizzled.
-    Allocate the shards inside each domain's memory pool (`torch.cuda.use_mem_pool`) to place them there.
+    `pools`: one torch.cuda.MemPool per domain; shard d's tensors are allocated inside pools[d]
+    (`moe_ext.streams.LocalityDomains` makes them).
     """
+    import contextlib
+
     block = sf_block(prepared.quant_mode)
     shards: list[dict] = [{}, {}]
     for name in ("w1", "w2"):
@@ -212,7 +215,8 @@ def split_localized_shards(prepared: PreparedWeights) -> list[dict]:
         linear_sf = unswizzle_sf(getattr(prepared, f"{name}_weight_sf"), num_experts, rows, sf_cols)
         half = rows // 2
         for d in range(2):
-            shard_sf = linear_sf[:, d * half:(d + 1) * half].contiguous()
-            shards[d][f"{name}_weight"] = packed[:, d * half:(d + 1) * half].contiguous()
-            shards[d][f"{name}_weight_sf"] = mma_view(swizzle_sf(shard_sf), num_experts, half, sf_cols)
+            with torch.cuda.use_mem_pool(pools[d]) if pools is not None else contextlib.nullcontext():
+                shard_sf = linear_sf[:, d * half:(d + 1) * half].contiguous()
+                shards[d][f"{name}_weight"] = packed[:, d * half:(d + 1) * half].contiguous()
+                shards[d][f"{name}_weight_sf"] = mma_view(swizzle_sf(shard_sf), num_experts, half, sf_cols)
     return shards

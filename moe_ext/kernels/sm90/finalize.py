@@ -1,8 +1,7 @@
 """Finalize (sm_90a): combine the top-k slot outputs of each token into the layer output (semantics §2.6).
 
-CTA (token, part): 256 threads, 8 columns each (16-byte loads and stores). Fused mode: bf16 running sum of the
-bf16 contributions (router weight already applied by GEMM2), in ascending slot order. Deterministic mode: fp32 sum
-over ascending k of y_k * r_k, one bf16 rounding.
+The deterministic finalize (the fused one is GEMM2's reduce-add). CTA (token, part): 256 threads, 8 columns each
+(16-byte loads and stores); fp32 sum over ascending k of y_k * r_k, one bf16 rounding.
 Slots with no local expert are skipped; a token with none gets zeros.
 """
 from __future__ import annotations
@@ -24,7 +23,7 @@ def _unpack_bf16x2(word: Int32):
 
 @cute.kernel
 def finalize_kernel(slot_output: cute.Tensor, expanded_to_permuted: cute.Tensor, token_final_scales: cute.Tensor,
-                    output: cute.Tensor, hidden: Int32, top_k: Int32, fused: cutlass.Boolean):
+                    output: cute.Tensor, hidden: Int32, top_k: Int32):
     tid, _, _ = cute.arch.thread_idx()
     token, part, _ = cute.arch.block_idx()
     cute.arch.griddepcontrol_wait()
@@ -39,12 +38,8 @@ def finalize_kernel(slot_output: cute.Tensor, expanded_to_permuted: cute.Tensor,
                 r = token_final_scales[slot]
                 for i in cutlass.range_constexpr(VEC // 2):
                     lo, hi = _unpack_bf16x2(words[i])
-                    if fused:
-                        total[2 * i] = Float32((total[2 * i] + lo).to(BFloat16))
-                        total[2 * i + 1] = Float32((total[2 * i + 1] + hi).to(BFloat16))
-                    else:
-                        total[2 * i] = total[2 * i] + lo * r
-                        total[2 * i + 1] = total[2 * i + 1] + hi * r
+                    total[2 * i] = total[2 * i] + lo * r
+                    total[2 * i + 1] = total[2 * i + 1] + hi * r
         packed = [ptx.pack_bf16x2(total[2 * i], total[2 * i + 1]) for i in range(VEC // 2)]
         ptx.st_global_v4(output.iterator.toint() + (Int64(token) * Int64(hidden) + Int64(col)) * 2, *packed)
     cute.arch.griddepcontrol_launch_dependents()
@@ -52,11 +47,11 @@ def finalize_kernel(slot_output: cute.Tensor, expanded_to_permuted: cute.Tensor,
 
 @cute.jit
 def launch_finalize(slot_output: cute.Tensor, expanded_to_permuted: cute.Tensor, token_final_scales: cute.Tensor,
-                    output: cute.Tensor, hidden: Int32, top_k: Int32, fused: cutlass.Boolean, pdl: cutlass.Boolean,
+                    output: cute.Tensor, hidden: Int32, top_k: Int32, pdl: cutlass.Boolean,
                     stream: cuda.CUstream):
     num_tokens = cute.size(expanded_to_permuted) // top_k
     parts = (hidden + THREADS * VEC - 1) // (THREADS * VEC)
-    finalize_kernel(slot_output, expanded_to_permuted, token_final_scales, output, hidden, top_k, fused).launch(
+    finalize_kernel(slot_output, expanded_to_permuted, token_final_scales, output, hidden, top_k).launch(
         grid=(num_tokens, parts, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=pdl)
 
 
@@ -67,5 +62,5 @@ def compile_finalize(options: str):
         return make_fake_compact_tensor(dtype, (cute.sym_int(),), assumed_align=align)
 
     return cute.compile(launch_finalize, vector(BFloat16, 16), vector(Int32), vector(Float32), vector(BFloat16, 16),
-                        Int32(128), Int32(1), cutlass.Boolean(True), cutlass.Boolean(True), cuda.CUstream(0),
+                        Int32(128), Int32(1), cutlass.Boolean(True), cuda.CUstream(0),
                         options=options)

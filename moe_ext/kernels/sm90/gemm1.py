@@ -2,7 +2,8 @@
 
 Grid (max tiles, N1 / 128, K split): CTA (m, n, r) takes routing tile m (one local expert, `tokens` permuted
 rows), weight rows [128n, 128n + 128) and K range r of its cluster, through the streaming mainloop (stream.py);
-tiles past the device-side live count exit, so the grid depends only on T.
+tiles past the device-side live count exit, so the grid depends only on T. N1 is the weight rows of this launch
+(2I, or I for a localized shard); its intermediate columns start at `col_offset` of rows `inter` (= I) wide.
 Token rows are gathered through permuted_to_expanded (token = expanded // top_k) straight from x: the permuted
 copy is never materialised. With the 64-row up/gate interleave, a 128-row weight tile yields intermediate columns
 [64n, 64n + 64): up in accumulator columns 0..63, gate in 64..127.
@@ -41,8 +42,8 @@ def make_kernel(mode: str, kind: str, tokens: int):
                      w1: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor, permuted_to_expanded: cute.Tensor,
                      tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
                      out_bf16: cute.Tensor, out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor,
-                     hidden: Int32, n1: Int32, top_k: Int32, p0: Float32, p1: Float32, p2: Float32, p3: Float32,
-                     k_split: Int32):
+                     hidden: Int32, n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32,
+                     p1: Float32, p2: Float32, p3: Float32, k_split: Int32):
         tid, _, _ = cute.arch.thread_idx()
         tile, n_tile, rank = cute.arch.block_idx()  # rank: this CTA's K range inside its cluster
         cute.arch.griddepcontrol_wait()
@@ -69,7 +70,6 @@ def make_kernel(mode: str, kind: str, tokens: int):
             # Epilogue: thread -> (token row, half of the CTA's output columns); 2 * tokens threads.
             a_row = tid // 2
             a_half = tid % 2
-            inter = n1 // 2 if gated else n1
             row = row0 + a_row
             if rank == 0 and a_row < tokens and row < limit:
                 token = permuted_to_expanded[row] // top_k
@@ -78,7 +78,7 @@ def make_kernel(mode: str, kind: str, tokens: int):
                     s1 = s1 * per_token_scale[token]
                 width = cfg.rows // 2 if gated else cfg.rows
                 per_thread = width // 2
-                col0 = n_tile * width + a_half * per_thread  # first intermediate column of this thread
+                col0 = col_offset + n_tile * width + a_half * per_thread  # first intermediate column of this thread
                 values = []
                 for i in cutlass.range_constexpr(per_thread):
                     c = a_half * per_thread + i
@@ -111,11 +111,11 @@ def make_kernel(mode: str, kind: str, tokens: int):
                w1: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor, permuted_to_expanded: cute.Tensor,
                tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
                out_bf16: cute.Tensor, out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor,
-               hidden: Int32, n1: Int32, top_k: Int32, p0: Float32, p1: Float32, p2: Float32, p3: Float32,
-               k_split: Int32, pdl: cutlass.Boolean, stream: cuda.CUstream):
+               hidden: Int32, n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32, p1: Float32,
+               p2: Float32, p3: Float32, k_split: Int32, pdl: cutlass.Boolean, stream: cuda.CUstream):
         gemm1_kernel(x_bf16, x_q, x_sf, per_token_scale, w1, w1_sf, w1_alpha, permuted_to_expanded, tile_to_expert,
-                     tile_to_mn_limit, num_live_tiles, out_bf16, out_q, out_sf, fc2_input_scale, hidden, n1, top_k,
-                     p0, p1, p2, p3, k_split).launch(
+                     tile_to_mn_limit, num_live_tiles, out_bf16, out_q, out_sf, fc2_input_scale, hidden, n1, inter,
+                     col_offset, top_k, p0, p1, p2, p3, k_split).launch(
             grid=(cute.size(tile_to_expert), n1 // cfg.rows, k_split), block=(cfg.threads, 1, 1),
             cluster=(1, 1, k_split), stream=stream, use_pdl=pdl)
 
@@ -132,6 +132,7 @@ def compile_gemm1(mode: str, kind: str, tokens: int, options: str):
     return cute.compile(
         make_kernel(mode, kind, tokens), vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32),
         vector(u8, 16), vector(u8, 16), vector(Float32), vector(Int32), vector(Int32), vector(Int32), vector(Int32),
-        vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32), Int32(128), Int32(256), Int32(1),
+        vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32), Int32(128), Int32(256), Int32(128), Int32(0),
+        Int32(1),
         Float32(0), Float32(0), Float32(0), Float32(0), Int32(1), cutlass.Boolean(True), cuda.CUstream(0),
         options=options)

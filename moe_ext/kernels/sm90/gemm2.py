@@ -1,9 +1,13 @@
-"""GEMM2 (sm_90a): FC2-input rows x 4-bit FC2 weights -> scaled bf16 expert output per slot.
+"""GEMM2 (sm_90a): FC2-input rows x 4-bit FC2 weights -> scaled bf16 expert output, finalized (semantics §2.6).
 
-Grid (max tiles, H / 128, K split), the streaming mainloop of stream.py. Each valid permuted row p (expanded index
-s = t*K + k) writes y[s, :] = bf16(scale * acc2), scale = w2_alpha[e] * (token_final_scales[s] * pts2) for the fused finalize (router
-weight before the bf16 rounding, semantics §2.6) or w2_alpha[e] * pts2 for the deterministic one; pts2 is the
-per-token FC2 row scale (w4a4_pt) or 1. The finalize kernel then combines the K slots of each token.
+Grid (max tiles, N / 128, K split), the streaming mainloop of stream.py; N is the weight rows this launch covers
+(H, or H / 2 for a localized shard) and its output columns start at `col_offset` of rows `out_pitch` (= H) wide.
+Each valid permuted row p (expanded index s = t*K + k) forms y = bf16(scale * acc2):
+  fused:         scale = w2_alpha[e] * (token_final_scales[s] * pts2), and y is atomically added (bf16x2
+                 reduce-add) into out[t, :], which the caller zeroed; the addition order follows the schedule.
+  deterministic: scale = w2_alpha[e] * pts2, y is stored to out[s, :] (the slot buffer) and the finalize kernel
+                 combines the K slots of each token in a fixed order.
+pts2 is the per-token FC2 row scale (w4a4_pt) or 1.
 
 Modes: the FC2 input is bf16 (w4a16), NVFP4 with swizzled e4m3 scales (w4a4, w4a4_pt) or MXFP8 with swizzled ue8m0
 scales (w4a8); w2 is NVFP4, or MXFP4 for w4a8. The kernel takes every tensor; a mode ignores the ones it does not use.
@@ -15,10 +19,27 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
+from . import ptx
 from . import stream as streaming
 from .fp4 import swizzled_sf_offset
 
 MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
+
+
+def _store_words(address: Int64, words: list) -> None:
+    for i in range(0, len(words) - 3, 4):
+        ptx.st_global_v4(address + 4 * i, *words[i:i + 4])
+    if len(words) % 4:
+        for i in range(len(words) - len(words) % 4, len(words)):
+            ptx.st_global_b32(address + 4 * i, words[i])
+
+
+def _red_words(address: Int64, words: list) -> None:
+    for i in range(0, len(words) - 3, 4):
+        ptx.red_add_bf16x2_v4(address + 4 * i, *words[i:i + 4])
+    if len(words) % 4:
+        for i in range(len(words) - len(words) % 4, len(words)):
+            ptx.red_add_bf16x2(address + 4 * i, words[i])
 
 
 def make_kernel(mode: str, tokens: int):
@@ -32,8 +53,8 @@ def make_kernel(mode: str, tokens: int):
     def gemm2_kernel(a_bf16: cute.Tensor, a_q: cute.Tensor, a_sf: cute.Tensor, row_scale: cute.Tensor,
                      w2: cute.Tensor, w2_sf: cute.Tensor, w2_alpha: cute.Tensor, token_final_scales: cute.Tensor,
                      permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor,
-                     num_live_tiles: cute.Tensor, slot_output: cute.Tensor, hidden: Int32, inter: Int32,
-                     router_weight_in_scale: cutlass.Boolean, k_split: Int32):
+                     num_live_tiles: cute.Tensor, out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32,
+                     col_offset: Int32, top_k: Int32, fused: cutlass.Boolean, k_split: Int32):
         tid, _, _ = cute.arch.thread_idx()
         tile, n_tile, rank = cute.arch.block_idx()  # rank: this CTA's K range inside its cluster
         cute.arch.griddepcontrol_wait()
@@ -68,23 +89,31 @@ def make_kernel(mode: str, tokens: int):
                 if cutlass.const_expr(mode == "w4a4_pt"):
                     pts2 = row_scale[row]
                 scale = w2_alpha[expert] * pts2
-                if router_weight_in_scale:
+                out_row = slot
+                if fused:
                     scale = w2_alpha[expert] * (token_final_scales[slot] * pts2)
-                for i in cutlass.range_constexpr(cols_per_thread):
-                    c = part * cols_per_thread + i
-                    slot_output[slot * hidden + n_tile * cfg.rows + c] = (scale * s_c[a_row, c]).to(BFloat16)
+                    out_row = slot // top_k
+                c0 = part * cols_per_thread
+                words = [ptx.pack_bf16x2(scale * s_c[a_row, c0 + 2 * i], scale * s_c[a_row, c0 + 2 * i + 1])
+                         for i in range(cols_per_thread // 2)]
+                address = out.iterator.toint() + (Int64(out_row) * Int64(out_pitch) + Int64(
+                    col_offset + n_tile * cfg.rows + c0)) * 2
+                if fused:
+                    _red_words(address, words)
+                else:
+                    _store_words(address, words)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def launch(a_bf16: cute.Tensor, a_q: cute.Tensor, a_sf: cute.Tensor, row_scale: cute.Tensor, w2: cute.Tensor,
                w2_sf: cute.Tensor, w2_alpha: cute.Tensor, token_final_scales: cute.Tensor,
                permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor,
-               num_live_tiles: cute.Tensor, slot_output: cute.Tensor, hidden: Int32, inter: Int32,
-               router_weight_in_scale: cutlass.Boolean, k_split: Int32, pdl: cutlass.Boolean,
+               num_live_tiles: cute.Tensor, out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32,
+               col_offset: Int32, top_k: Int32, fused: cutlass.Boolean, k_split: Int32, pdl: cutlass.Boolean,
                stream: cuda.CUstream):
         gemm2_kernel(a_bf16, a_q, a_sf, row_scale, w2, w2_sf, w2_alpha, token_final_scales, permuted_to_expanded,
-                     tile_to_expert, tile_to_mn_limit, num_live_tiles, slot_output, hidden, inter,
-                     router_weight_in_scale, k_split).launch(
+                     tile_to_expert, tile_to_mn_limit, num_live_tiles, out, hidden, inter, out_pitch, col_offset,
+                     top_k, fused, k_split).launch(
             grid=(cute.size(tile_to_expert), hidden // cfg.rows, k_split), block=(cfg.threads, 1, 1),
             cluster=(1, 1, k_split), stream=stream, use_pdl=pdl)
 
@@ -101,5 +130,6 @@ def compile_gemm2(mode: str, tokens: int, options: str):
     return cute.compile(
         make_kernel(mode, tokens), vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32), vector(u8, 16),
         vector(u8, 16), vector(Float32), vector(Float32), vector(Int32), vector(Int32), vector(Int32), vector(Int32),
-        vector(BFloat16, 16), Int32(128), Int32(128), cutlass.Boolean(True), Int32(1), cutlass.Boolean(True),
+        vector(BFloat16, 16), Int32(128), Int32(128), Int32(128), Int32(0), Int32(1), cutlass.Boolean(True), Int32(1),
+        cutlass.Boolean(True),
         cuda.CUstream(0), options=options)

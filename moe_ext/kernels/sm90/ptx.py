@@ -90,6 +90,24 @@ def st_global_v4(addr: Int64, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=Non
 
 
 @dsl_user_op
+def red_add_bf16x2(addr: Int64, a: Int32, *, loc=None, ip=None) -> None:
+    """Atomic bf16x2 add into global memory (bf16 sum, no flush to zero), the fused finalize's reduce-add."""
+    _asm(0, [Int64(addr), Int32(a)], "red.global.add.noftz.bf16x2 [$0], $1;", "l,r,~{memory}", side_effects=True)
+
+
+@dsl_user_op
+def red_add_bf16x2_v4(addr: Int64, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
+    """Four bf16x2 atomic adds at a 16-byte aligned address in one instruction (sm_90)."""
+    _asm(0, [Int64(addr), Int32(a), Int32(b), Int32(c), Int32(d)],
+         "red.global.add.noftz.v4.bf16x2 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}", side_effects=True)
+
+
+@dsl_user_op
+def st_global_b32(addr: Int64, value: Int32, *, loc=None, ip=None) -> None:
+    _asm(0, [Int64(addr), Int32(value)], "st.global.b32 [$0], $1;", "l,r,~{memory}", side_effects=True)
+
+
+@dsl_user_op
 def ld_global_v2(addr: Int64, *, loc=None, ip=None) -> list:
     values = _asm(2, [Int64(addr)], "ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l")
     return [Int32(v) for v in values]
