@@ -134,6 +134,81 @@ void launch(const std::string& name, const std::vector<std::pair<std::uintptr_t,
   check_cuda(cudaGetLastError(), name.c_str());
 }
 
+// A recorded forward (moe_ext/plan.py): its launches and memsets with every argument checked once, replayed with
+// the per-call pointers (activations, routing, router weights) patched in. One call from Python per run instead
+// of one per kernel: the plan's host cost is what a decode step pays when it is not graph-captured.
+class LaunchPlan {
+ public:
+  // patches: (buffer position, role index); side_stream: 0 = the stream run() is given.
+  void add_launch(const std::string& name, const std::vector<std::pair<std::uintptr_t, std::int64_t>>& tensors,
+                  const std::vector<double>& scalars, bool pdl, std::uintptr_t side_stream,
+                  const std::vector<std::pair<int, int>>& patches) {
+    const KernelEntry& entry = find_kernel(name);
+    if (static_cast<int>(tensors.size()) != entry.num_tensors ||
+        static_cast<int>(scalars.size()) != entry.num_scalars) {
+      throw std::invalid_argument(name + ": expected " + std::to_string(entry.num_tensors) + " tensors and " +
+                                  std::to_string(entry.num_scalars) + " scalars");
+    }
+    Step step{&entry, {}, scalars, pdl, side_stream, patches, 0, 0};
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      const auto [ptr, size] = tensors[i];
+      const std::string what = name + " tensor " + std::to_string(i);
+      if (size < 0 || size > INT32_MAX) throw std::invalid_argument(what + ": extent outside the int32 range");
+      if (size > 0 && ptr == 0) throw std::invalid_argument(what + ": null pointer");
+      check_pointer(what, ptr, 4);
+      step.bufs.push_back(Buf{ptr, size});
+    }
+    for (const auto& [pos, role] : patches) {
+      if (pos < 0 || pos >= entry.num_tensors || role < 0) throw std::invalid_argument(name + ": bad patch");
+    }
+    steps_.push_back(std::move(step));
+  }
+
+  void add_memset(std::uintptr_t ptr, std::int64_t bytes, std::uintptr_t side_stream) {
+    if (bytes < 0 || (bytes > 0 && ptr == 0)) throw std::invalid_argument("memset step: bad buffer");
+    steps_.push_back(Step{nullptr, {}, {}, false, side_stream, {}, ptr, bytes});
+  }
+
+  void run(const std::vector<std::uintptr_t>& role_pointers, std::uintptr_t stream) {
+    load_kernels();
+    std::vector<Buf> bufs;
+    for (const Step& step : steps_) {
+      const auto s = reinterpret_cast<cudaStream_t>(step.side_stream ? step.side_stream : stream);
+      if (step.entry == nullptr) {
+        check_cuda(cudaMemsetAsync(reinterpret_cast<void*>(step.memset_ptr), 0,
+                                   static_cast<std::size_t>(step.memset_bytes), s), "cudaMemsetAsync");
+        continue;
+      }
+      bufs = step.bufs;
+      for (const auto& [pos, role] : step.patches) {
+        if (role >= static_cast<int>(role_pointers.size()) || role_pointers[role] == 0 ||
+            role_pointers[role] % 4 != 0) {
+          throw std::invalid_argument(std::string(step.entry->name) + ": per-call pointer missing or misaligned");
+        }
+        bufs[pos].ptr = role_pointers[role];
+      }
+      const int32_t ret = step.entry->launch(bufs.data(), step.scalars.data(), step.pdl, s);
+      if (ret != 0) throw std::runtime_error(std::string(step.entry->name) + ": launch failed");
+      check_cuda(cudaGetLastError(), step.entry->name);
+    }
+  }
+
+  std::size_t size() const { return steps_.size(); }
+
+ private:
+  struct Step {
+    const KernelEntry* entry;  // nullptr: a memset
+    std::vector<Buf> bufs;
+    std::vector<double> scalars;
+    bool pdl;
+    std::uintptr_t side_stream;
+    std::vector<std::pair<int, int>> patches;
+    std::uintptr_t memset_ptr;
+    std::int64_t memset_bytes;
+  };
+  std::vector<Step> steps_;
+};
+
 std::vector<std::string> kernels() {
   std::vector<std::string> names;
   for (const KernelEntry& entry : kKernelTable) names.emplace_back(entry.name);
@@ -178,6 +253,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("load_kernels", &moe_ext::load_kernels, "load the embedded cubins (call outside graph capture)");
   m.def("launch", &moe_ext::launch, py::arg("name"), py::arg("tensors"), py::arg("scalars"), py::arg("pdl"),
         py::arg("stream"), "launch an exported kernel: tensors are (address, numel) in declaration order");
+  py::class_<moe_ext::LaunchPlan>(m, "LaunchPlan")
+      .def(py::init<>())
+      .def("add_launch", &moe_ext::LaunchPlan::add_launch, py::arg("name"), py::arg("tensors"), py::arg("scalars"),
+           py::arg("pdl"), py::arg("side_stream"), py::arg("patches"))
+      .def("add_memset", &moe_ext::LaunchPlan::add_memset, py::arg("ptr"), py::arg("bytes"), py::arg("side_stream"))
+      .def("run", &moe_ext::LaunchPlan::run, py::arg("role_pointers"), py::arg("stream"))
+      .def("__len__", &moe_ext::LaunchPlan::size);
 #endif
   m.def("memset_async", &moe_ext::memset_async, py::arg("ptr"), py::arg("bytes"), py::arg("stream"),
         "cudaMemsetAsync(ptr, 0, bytes, stream)");

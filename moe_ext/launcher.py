@@ -82,13 +82,21 @@ class Launch(NamedTuple):
     stream: object = None
 
 
+class Memset(NamedTuple):
+    """One recorded cudaMemsetAsync to zero (the fused finalize's output)."""
+
+    ptr: int
+    nbytes: int
+    stream: object = None
+
+
 class Call(NamedTuple):
-    """One recorded host step between launches (an event fork or join, a memset), re-run as is."""
+    """One recorded host step between launches (an event fork or join), re-run as is."""
 
     fn: object
 
 
-# While a ForwardPlan is recorded: the Launch and Call steps of the forward, in order.
+# While a ForwardPlan is recorded: the Launch, Memset and Call steps of the forward, in order.
 _recorder: list | None = None
 _side_stream = None  # the stream launches go to inside on_side_stream()
 
@@ -144,10 +152,10 @@ def launch(name: str, tensors: list, scalars: list[float], enable_pdl: bool, dev
 def memset_async(t: torch.Tensor, stream) -> None:
     """Zero `t` with cudaMemsetAsync on `stream` (None: the current one): a memset node, not a kernel, in a
     graph."""
-    module = _module()
-    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
-    call(lambda: module.memset_async(ptr, nbytes, (stream if stream is not None else
-                                                   torch.cuda.current_stream()).cuda_stream))
+    step = Memset(t.data_ptr(), t.numel() * t.element_size(), stream)
+    _module().memset_async(step.ptr, step.nbytes, (stream or torch.cuda.current_stream()).cuda_stream)
+    if _recorder is not None:
+        _recorder.append(step)
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device, numel: int | None = None,

@@ -35,35 +35,78 @@ class InputSpec:
                 and t.device == self.device and t.is_contiguous() and t.data_ptr() % 16 == 0)
 
 
+class StepList:
+    """Launches and memsets re-issued from Python one at a time: what `_C.LaunchPlan` does in one C++ call, for a
+    module without it (a test's fake)."""
+
+    def __init__(self, module):
+        self.module, self.steps = module, []
+
+    def add_launch(self, name, tensors, scalars, pdl, side_stream, patches):
+        self.steps.append((name, list(tensors), scalars, pdl, side_stream, patches))
+
+    def add_memset(self, ptr, nbytes, side_stream):
+        self.steps.append((None, ptr, nbytes, side_stream))
+
+    def run(self, role_pointers, stream):
+        for step in self.steps:
+            if step[0] is None:
+                _, ptr, nbytes, side = step
+                self.module.memset_async(ptr, nbytes, side or stream)
+                continue
+            name, buffers, scalars, pdl, side, patches = step
+            if patches:
+                buffers = list(buffers)
+                for i, role in patches:
+                    buffers[i] = (role_pointers[role], buffers[i][1])
+            self.module.launch(name, buffers, scalars, pdl, side or stream)
+
+    def __len__(self):
+        return len(self.steps)
+
+
+def _new_segment(module):
+    return module.LaunchPlan() if hasattr(module, "LaunchPlan") else StepList(module)
+
+
 @dataclass
 class ForwardPlan:
     weights: tuple  # the weight tensors of the recorded run (identity and data pointer must match)
     weight_pointers: tuple
     inputs: dict  # role -> InputSpec or None (absent)
-    # Host steps (callables) and launches: (kernel, buffers with the per-call entries still from the recorded run,
-    # patches, scalars, pdl, side stream or None for the caller's current stream)
-    steps: list
+    # Host callables (event fork/join) and, between them, segments of launches and memsets (_C.LaunchPlan, or
+    # StepList) that take the per-call pointers in ROLES order.
+    segments: list
     out: torch.Tensor
     tuning_generation: int
 
     @classmethod
     def from_recording(cls, recorded: list, weights: tuple, inputs: dict, out: torch.Tensor,
                        tuning_generation: int) -> "ForwardPlan | None":
-        """The plan of a recorded run (launcher.recording(): Launch and Call steps); None if a recorded per-call
-        buffer is not the tensor passed for its role (nothing to patch it from)."""
-        steps = []
+        """The plan of a recorded run (launcher.recording(): Launch, Memset and Call steps); None if a recorded
+        per-call buffer is not the tensor passed for its role (nothing to patch it from)."""
+        from . import launcher
+
+        module = launcher._module()
+        segments = []
         for step in recorded:
-            if not hasattr(step, "buffers"):  # a host step (event fork/join, memset): replayed as is
-                steps.append(step.fn)
+            if isinstance(step, launcher.Call):
+                segments.append(step.fn)
+                continue
+            if not segments or callable(segments[-1]):
+                segments.append(_new_segment(module))
+            side = 0 if step.stream is None else step.stream.cuda_stream
+            if isinstance(step, launcher.Memset):
+                segments[-1].add_memset(step.ptr, step.nbytes, side)
                 continue
             patches = []
             for i, role in step.roles:
                 t = inputs.get(role)
                 if t is None or t.data_ptr() != step.buffers[i][0]:
                     return None
-                patches.append((i, role, step.buffers[i][1]))
-            steps.append((step.name, list(step.buffers), tuple(patches), step.scalars, step.pdl, step.stream))
-        return cls(weights, _pointers(weights), {role: InputSpec.of(t) for role, t in inputs.items()}, steps,
+                patches.append((i, ROLES.index(role)))
+            segments[-1].add_launch(step.name, step.buffers, step.scalars, step.pdl, side, patches)
+        return cls(weights, _pointers(weights), {role: InputSpec.of(t) for role, t in inputs.items()}, segments,
                    out, tuning_generation)
 
     def matches(self, weights: tuple, tuning_generation: int) -> bool:
@@ -75,32 +118,24 @@ class ForwardPlan:
         return _pointers(weights) == self.weight_pointers
 
     def run(self, inputs: dict) -> torch.Tensor | None:
-        """Re-issue the launches for `inputs`; None (nothing launched) when an input does not fit the plan, so the
+        """Re-issue the forward for `inputs`; None (nothing launched) when an input does not fit the plan, so the
         caller takes the validated path and its error messages."""
-        pointers = {}
-        for role, spec in self.inputs.items():
-            t = inputs[role]
+        pointers = [0] * len(ROLES)
+        for i, role in enumerate(ROLES):
+            spec, t = self.inputs.get(role), inputs.get(role)
             if spec is None:
                 if t is not None:
                     return None
             elif spec.admits(t):
-                pointers[role] = t.data_ptr()
+                pointers[i] = t.data_ptr()
             else:
                 return None
-        from . import launcher
-
-        module = launcher._module()
         stream = torch.cuda.current_stream(self.out.device).cuda_stream
-        for step in self.steps:
-            if callable(step):
-                step()
-                continue
-            name, buffers, patches, scalars, pdl, side = step
-            if patches:
-                buffers = list(buffers)
-                for i, role, numel in patches:
-                    buffers[i] = (pointers[role], numel)
-            module.launch(name, buffers, scalars, pdl, stream if side is None else side.cuda_stream)
+        for segment in self.segments:
+            if callable(segment):
+                segment()
+            else:
+                segment.run(pointers, stream)
         return self.out
 
 

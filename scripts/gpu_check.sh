@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 run, in parts that each fit one device call (10 minutes):
-#   tests:     install, every test (GPU ones included), memcheck of every kernel, the examples
+#   tests:     install, every test (GPU ones included)
+#   examples:  install, memcheck of every kernel, the examples, host overhead, fused vs deterministic finalize
 #   bench:     install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
 #   localized: install, the localized / fused-finalize / graph tests, memcheck, the localized benchmark
 # Logs and a summary go to $OUT. Prepare here, then run there (the device tool, carry .kernels):
@@ -26,12 +27,18 @@ step() {  # step NAME TIMEOUT COMMAND...: run, log to $OUT/NAME.log, note rc and
   echo "$name rc=$? :: $(tail -n 1 "$OUT/$name.log")" | tee -a "$OUT/summary.txt"
 }
 if [ "$PART" = tests ]; then
-  step pytest 420 python3 -m pytest -q -p no:cacheprovider tests -rs
+  step pytest 540 python3 -m pytest -q -p no:cacheprovider tests -rs --durations=15
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20 | tee -a "$OUT/summary.txt"
-  step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/memcheck_smoke.py
+elif [ "$PART" = examples ]; then
+  step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/memcheck_smoke.py
   step serving_loop 60 python3 examples/serving_loop.py --steps 50
   step compile_layer 90 python3 examples/compile_layer.py
   step quickstart 60 python3 examples/quickstart.py
+  step host_overhead 90 python3 -m moe_ext.bench --host-overhead --shapes qwen3-30b-a3b,deepseek-v3-ep8 \
+    --modes w4a16 --finalize fused,deterministic --out "$OUT/h200_host_overhead.json"
+  step finalize_modes 150 python3 -m moe_ext.bench --shapes qwen3-30b-a3b,deepseek-v3-ep8,deepseek-v3 \
+    --tokens 1,64 --modes w4a16 --finalize fused,deterministic --impls moe_ext --iters 30 \
+    --max-seconds-per-point 1.5 --out "$OUT/h200_finalize_modes.json"
 elif [ "$PART" = localized ]; then
   step pytest_localized 300 python3 -m pytest -q -p no:cacheprovider tests/test_localized.py tests/test_plan.py \
     tests/test_hopper_kernels.py -k "localized or fused_finalize or graph_capture or acceptance" -rs

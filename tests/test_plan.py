@@ -48,11 +48,11 @@ def make_inputs(seed):
 
 def test_plan_substitutes_the_new_inputs_and_keeps_everything_else(monkeypatch):
     weights = (torch.zeros(8, 256, 64, dtype=torch.uint8), None)
+    fake = FakeModule()
+    monkeypatch.setattr(launcher, "_module", lambda: fake)
     first = make_inputs(0)
     out = torch.empty(2, 128, dtype=torch.bfloat16)
     plan = ForwardPlan.from_recording(recorded_run(weights, first), weights, first, out, tuning_generation=3)
-    fake = FakeModule()
-    monkeypatch.setattr(launcher, "_module", lambda: fake)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
     second = make_inputs(1)
     assert plan.matches(weights, 3)
@@ -63,11 +63,11 @@ def test_plan_substitutes_the_new_inputs_and_keeps_everything_else(monkeypatch):
 
 def test_plan_refuses_what_it_was_not_recorded_for(monkeypatch):
     weights = (torch.zeros(8, 256, 64, dtype=torch.uint8), None)
+    fake = FakeModule()
+    monkeypatch.setattr(launcher, "_module", lambda: fake)
     first = make_inputs(0)
     plan = ForwardPlan.from_recording(recorded_run(weights, first), weights, first, torch.empty(2, 128),
                                       tuning_generation=0)
-    fake = FakeModule()
-    monkeypatch.setattr(launcher, "_module", lambda: fake)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
     assert not plan.matches((weights[0].clone(), None), 0), "another weight tensor"
     assert not plan.matches(weights, 1), "the tactic cache changed"
@@ -82,14 +82,14 @@ def test_plan_refuses_what_it_was_not_recorded_for(monkeypatch):
 
 def test_an_input_aliasing_a_fixed_buffer_is_patched_only_where_it_is_an_input(monkeypatch):
     """x may be the output buffer of the same wrapper (a layer applied twice): only its input position moves."""
+    fake = FakeModule()
+    monkeypatch.setattr(launcher, "_module", lambda: fake)
     weights = (torch.zeros(4, dtype=torch.uint8),)
     first = make_inputs(0)
     recorded = recorded_run(weights, first)
     finalize = recorded[2]  # finalize writes at x
     recorded[2] = finalize._replace(buffers=finalize.buffers[:1] + [(first["x"].data_ptr(), 256)])
     plan = ForwardPlan.from_recording(recorded, weights, first, torch.empty(1), 0)
-    fake = FakeModule()
-    monkeypatch.setattr(launcher, "_module", lambda: fake)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
     second = make_inputs(1)
     plan.run(second)
@@ -97,7 +97,8 @@ def test_an_input_aliasing_a_fixed_buffer_is_patched_only_where_it_is_an_input(m
     assert fake.calls[2][1][1] == (first["x"].data_ptr(), 256)  # finalize still writes the recorded buffer
 
 
-def test_a_recording_whose_inputs_were_copied_is_not_planned():
+def test_a_recording_whose_inputs_were_copied_is_not_planned(monkeypatch):
+    monkeypatch.setattr(launcher, "_module", lambda: FakeModule())
     weights = (torch.zeros(4, dtype=torch.uint8),)
     first = make_inputs(0)
     recorded = recorded_run(weights, dict(first, x=first["x"].clone()))  # validation made its own copy of x
@@ -228,10 +229,9 @@ def test_localized_forward_runs_each_shard_on_its_stream_with_column_offsets(mon
     assert [calls[i][2][:4] for i in g2] == [[H // 2, I, H, 0], [H // 2, I, H, H // 2]]
     side = [step.stream.cuda_stream for step in recorded if isinstance(step, Launch) and step.stream is not None]
     assert side == [11, 12, 11, 12]
-    plan = ForwardPlan.from_recording(recorded, (), {r: kw.get(r) for r in ROLES}, out, 0)
     fake = launcher._module()
-    fake.calls.clear()
     streams_seen = []
     fake.launch = lambda name, buffers, scalars, pdl, stream: streams_seen.append((name, stream))
+    plan = ForwardPlan.from_recording(recorded, (), {r: kw.get(r) for r in ROLES}, out, 0)
     assert plan.run({r: kw.get(r) for r in ROLES}) is out
     assert [s for n, s in streams_seen if n.startswith("moe_gemm")] == [11, 12, 11, 12]
