@@ -140,7 +140,9 @@ def test_swapped_model_runs_on_the_hopper_kernels(family, mode, bound):
         model = model.to("cuda")
         with launcher.recording() as launches:
             on_gpu = model(ids.cuda()).logits.cpu()
-    assert {name.split("_t")[0] for name, *_ in launches} >= {"moe_routing", "moe_finalize"}
+    names = {step.name for step in launches if isinstance(step, launcher.Launch)}
+    assert "moe_routing" in names
+    assert any(n.startswith("moe_gemm1_") for n in names) and any(n.startswith("moe_gemm2_") for n in names)
     assert torch.isfinite(on_gpu).all()
     rel = float((on_gpu - on_cpu).norm() / on_cpu.norm())
     assert rel < 3e-2, rel
