@@ -1,6 +1,6 @@
 """Expert parallelism over torch.distributed: each rank holds num_experts / world experts and its own tokens.
 
-    torchrun --nproc_per_node=2 examples/expert_parallel.py [--quant-mode w4a4] [--tokens 64]
+    torchrun --nproc_per_node=2 examples/expert_parallel.py [--quant-mode w4a4] [--tokens 64] [--exchange all_to_all]
 
 NCCL with one GPU per rank when there are enough GPUs, gloo on CPU otherwise (a one-GPU machine runs the CPU path). Rank 0 checks the combined result against
 the single-process layer and prints the time per forward.
@@ -24,6 +24,7 @@ def main():
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--intermediate", type=int, default=256)
     parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--exchange", default="all_gather", choices=ExpertParallelMoE.EXCHANGES)
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
@@ -47,7 +48,7 @@ def main():
     local = moe_ext.quant.slice_experts(full, rank * (E // world), E // world).to(device)
     rows = slice(rank * T, (rank + 1) * T)
     mine = moe_ext.quant.QuantizedActivation(to(act.x[rows]), to(None if act.x_sf is None else act.x_sf[rows]))
-    layer = ExpertParallelMoE(local, num_experts=E, top_k=K, use_fused_finalize=False)
+    layer = ExpertParallelMoE(local, num_experts=E, top_k=K, use_fused_finalize=False, exchange=args.exchange)
     out = layer(mine, to(ids[rows].int()), to(weights[rows]))
     gathered = [torch.empty_like(out) for _ in range(world)]
     dist.all_gather(gathered, out)

@@ -8,9 +8,15 @@ Each of the W ranks holds E / W consecutive experts (rank r: [r*E/W, (r+1)*E/W))
 3. sums the partial outputs across ranks and hands each rank back the rows of its own tokens (reduce-scatter
    where the backend has it, all-reduce and a slice on gloo).
 
+`exchange="all_to_all"` instead sends each token only to the ranks that hold one of its experts (with the ids of
+the other ranks' experts masked to -1), runs the local experts on what it received, and sends each row's partial
+sum back, where the source rank adds the partial sums of its tokens in fp32 and rounds once. It moves
+T x (ranks hit per token) rows instead of T x W, but its split sizes are exchanged on the host (a sync per step, no
+graph capture).
+
 All-gather + reduce-scatter keeps every buffer's size a function of the largest per-rank T only, so a step can be
-captured in a CUDA graph, and at decode sizes it moves a few rows per rank. All-to-all exchanges only the routed
-rows and wins at large T; which to use where is to be decided by measurement on GPUs (issue 5).
+captured in a CUDA graph, and at decode sizes it moves a few rows per rank. Which exchange wins where is to be
+decided by measurement on 2+ GPUs (issue 5); the default stays all-gather, the capturable one.
 """
 from __future__ import annotations
 
@@ -31,8 +37,10 @@ class ExpertParallelMoE(torch.nn.Module):
     (`moe_ext.quant.slice_experts(full, rank * E // W, E // W)`); `activation_kwargs` are the fused-MoE activation
     arguments (activation_type, swiglu_*, situ_*)."""
 
+    EXCHANGES = ("all_gather", "all_to_all")
+
     def __init__(self, weights: PreparedWeights, num_experts: int, top_k: int, group=None,
-                 use_fused_finalize: bool = True, **activation_kwargs) -> None:
+                 use_fused_finalize: bool = True, exchange: str = "all_gather", **activation_kwargs) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ExpertParallelMoE needs an initialised torch.distributed process group")
@@ -45,6 +53,9 @@ class ExpertParallelMoE(torch.nn.Module):
         if weights.w1_weight.shape[0] != self.num_local:
             raise ValueError(f"rank {self.rank} must hold {self.num_local} experts (num_experts / world size), "
                              f"its weights have {weights.w1_weight.shape[0]}")
+        if exchange not in self.EXCHANGES:
+            raise ValueError(f"exchange must be one of {self.EXCHANGES}, got {exchange!r}")
+        self.exchange = exchange
         self.weights = weights
         self.num_experts = num_experts
         self.top_k = top_k
@@ -63,8 +74,19 @@ class ExpertParallelMoE(torch.nn.Module):
         _all_gather(out, padded, group=self.group)
         return out.view(torch.float8_e4m3fn) if fp8 else out
 
+    def _moe(self, x, x_sf, ids, scales, per_token_scale) -> torch.Tensor:
+        """This rank's experts over the given rows: each row's local slots combined, bf16 [rows, H]."""
+        w = self.weights
+        return cute_dsl_fused_moe(
+            x, x_sf, ids, scales, w.w1_weight, w.w1_weight_sf, w.w1_alpha, w.fc2_input_scale, w.w2_weight,
+            w.w2_weight_sf, w.w2_alpha, self.num_experts, self.top_k, self.num_local, self.rank * self.num_local,
+            use_fused_finalize=self.use_fused_finalize, quant_mode=w.quant_mode, per_token_scale=per_token_scale,
+            **self.activation_kwargs)
+
     def forward(self, activation: QuantizedActivation, token_selected_experts: torch.Tensor,
                 token_final_scales: torch.Tensor) -> torch.Tensor:
+        if self.exchange == "all_to_all":
+            return self._forward_all_to_all(activation, token_selected_experts, token_final_scales)
         num_tokens = token_selected_experts.shape[0]
         counts = torch.tensor([num_tokens], dtype=torch.int64, device=token_selected_experts.device)
         all_counts = counts.new_empty(self.world)
@@ -75,12 +97,7 @@ class ExpertParallelMoE(torch.nn.Module):
         x = self._gather(activation.x, rows, 0)
         x_sf = self._gather(activation.x_sf, rows, 0)
         per_token_scale = self._gather(activation.per_token_scale, rows, 0.0)
-        w = self.weights
-        partial = cute_dsl_fused_moe(
-            x, x_sf, ids, scales, w.w1_weight, w.w1_weight_sf, w.w1_alpha, w.fc2_input_scale, w.w2_weight,
-            w.w2_weight_sf, w.w2_alpha, self.num_experts, self.top_k, self.num_local, self.rank * self.num_local,
-            use_fused_finalize=self.use_fused_finalize, quant_mode=w.quant_mode, per_token_scale=per_token_scale,
-            **self.activation_kwargs)
+        partial = self._moe(x, x_sf, ids, scales, per_token_scale)
         # Partial sums are added in fp32 across ranks, then rounded once.
         partial = partial.float()
         if dist.get_backend(self.group) == "nccl":
@@ -90,3 +107,44 @@ class ExpertParallelMoE(torch.nn.Module):
             dist.all_reduce(partial, group=self.group)
             mine = partial[self.rank * rows:(self.rank + 1) * rows]
         return mine[:num_tokens].to(torch.bfloat16)
+
+    def _exchange_rows(self, t: torch.Tensor | None, send_counts: list, recv_counts: list):
+        """all_to_all of row blocks: rows [sum(send_counts), ...] ordered by destination -> [sum(recv_counts), ...]."""
+        if t is None:
+            return None
+        fp8 = t.dtype == torch.float8_e4m3fn
+        send = (t.view(torch.uint8) if fp8 else t).contiguous()
+        out = send.new_empty((sum(recv_counts), *send.shape[1:]))
+        dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group)
+        return out.view(torch.float8_e4m3fn) if fp8 else out
+
+    def _forward_all_to_all(self, activation: QuantizedActivation, token_selected_experts: torch.Tensor,
+                            token_final_scales: torch.Tensor) -> torch.Tensor:
+        ids = token_selected_experts.to(torch.int32)
+        num_tokens, hidden = ids.shape[0], self.weights.w2_weight.shape[1]
+        valid = (ids >= 0) & (ids < self.num_experts)
+        owner = torch.where(valid, ids // self.num_local, -1)
+        # One row per (token, destination rank holding one of its experts), grouped by destination.
+        hit = torch.stack([(owner == r).any(dim=1) for r in range(self.world)])  # [W, T]
+        dest, token = hit.nonzero(as_tuple=True)  # sorted by destination, then token
+        send_counts = hit.sum(dim=1)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_counts, recv_counts = send_counts.tolist(), recv_counts.tolist()  # host sync: split sizes
+        masked_ids = torch.where(owner[token] == dest[:, None], ids[token], -1)
+        recv_ids = self._exchange_rows(masked_ids, send_counts, recv_counts)
+        recv_scales = self._exchange_rows(token_final_scales[token], send_counts, recv_counts)
+        recv_x = self._exchange_rows(activation.x[token], send_counts, recv_counts)
+        recv_sf = self._exchange_rows(None if activation.x_sf is None else activation.x_sf[token], send_counts,
+                                      recv_counts)
+        recv_pts = self._exchange_rows(None if activation.per_token_scale is None else
+                                       activation.per_token_scale[token], send_counts, recv_counts)
+        if recv_ids.shape[0]:
+            partial = self._moe(recv_x, recv_sf, recv_ids, recv_scales, recv_pts).float()
+        else:
+            partial = torch.empty((0, hidden), dtype=torch.float32, device=ids.device)
+        back = self._exchange_rows(partial, recv_counts, send_counts)  # [rows sent, H], same order as `token`
+        # Partial sums are added in fp32 in rank order, then rounded once (as the all-gather path does).
+        out = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=ids.device)
+        out.index_add_(0, token, back)
+        return out.to(torch.bfloat16)

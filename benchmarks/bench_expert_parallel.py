@@ -1,0 +1,108 @@
+"""Time per expert-parallel forward on W GPUs (NCCL), each rank with E / W experts and T tokens, for both exchanges.
+
+    torchrun --nproc_per_node=1 benchmarks/bench_expert_parallel.py    # the one-GPU baseline (all experts local)
+    torchrun --nproc_per_node=2 benchmarks/bench_expert_parallel.py [--tokens 64,1024,8192] [--shape deepseek-v3]
+        [--quant-mode w4a4] [--out benchmarks/results/h200x2_expert_parallel.json]
+
+Rank 0 appends one record per (T, exchange) to --out: median ms per forward over --iters eager forwards (the
+exchanges sync on the host, so they are timed eagerly, CUDA events around each forward), after --warmup.
+Weights are random codes with realistic scales and the routing is a softmax top-k of random logits (moe_ext.bench);
+on CPU (gloo) it runs the reference path, which only checks that the script works.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from moe_ext import bench
+from moe_ext.distributed import ExpertParallelMoE
+from moe_ext.quant import PreparedWeights, QuantizedActivation
+from moe_ext.quant.swizzle import mma_view
+
+
+def local_weights(shape: bench.Shape, quant_mode: str, num_local: int, rank: int, device) -> PreparedWeights:
+    local_shape = dataclasses.replace(shape, num_local=num_local)
+    point = bench.Point(local_shape, 1, "moe_ext", quant_mode, "fused", shape.hidden, shape.inter)
+    w = bench.random_moe_ext_weights(point, device, torch.Generator(device=device).manual_seed(1000 + rank))
+    block = bench.SCALE_BLOCK[point.formats[0]]
+    E, H, I = num_local, shape.hidden, shape.inter
+    return PreparedWeights(quant_mode, w["w1_weight"], mma_view(w["w1_weight_sf"], E, 2 * I, H // block),
+                           w["w1_alpha"], w["w2_weight"], mma_view(w["w2_weight_sf"], E, H, I // block),
+                           w["w2_alpha"], w["fc2_input_scale"], bench.X_GLOBAL_SCALE, False,
+                           shape.wrapper_kwargs()["activation_type"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="deepseek-v3", choices=sorted(bench.SHAPES))
+    parser.add_argument("--hidden", type=int, help="override the shape's H (small CPU smoke runs)")
+    parser.add_argument("--inter", type=int, help="override the shape's I")
+    parser.add_argument("--tokens", default="64,1024,8192", help="tokens per rank")
+    parser.add_argument("--quant-mode", default="w4a4", choices=["w4a16", "w4a4", "w4a8"])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", default="benchmarks/results/h200_expert_parallel.json")
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda" if cuda else "cpu")
+    shape = bench.SHAPES[args.shape]
+    shape = dataclasses.replace(shape, hidden=args.hidden or shape.hidden, inter=args.inter or shape.inter,
+                                num_local=shape.num_experts)
+    num_local = shape.num_experts // world
+    weights = local_weights(shape, args.quant_mode, num_local, rank, device)
+    act_kwargs = {k: v for k, v in shape.wrapper_kwargs().items() if k != "activation_type"}
+    records = []
+    for T in (int(t) for t in args.tokens.split(",")):
+        routing = bench.random_routing(T, shape, bench.point_seed(rank, shape, T, 0), device)
+        inputs = bench.moe_ext_inputs(routing, shape.hidden, args.quant_mode, device)
+        activation = QuantizedActivation(inputs["x"], inputs["x_sf"])
+        for exchange in ExpertParallelMoE.EXCHANGES:
+            layer = ExpertParallelMoE(weights, num_experts=shape.num_experts, top_k=shape.top_k, exchange=exchange,
+                                      **act_kwargs)
+
+            def forward():
+                return layer(activation, routing.ids, routing.weights)
+
+            for _ in range(args.warmup):
+                forward()
+            samples = []
+            for _ in range(args.iters):
+                dist.barrier()
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    forward()
+                    end.record()
+                    torch.cuda.synchronize()
+                    samples.append(start.elapsed_time(end))
+                else:
+                    t0 = time.perf_counter()
+                    forward()
+                    samples.append((time.perf_counter() - t0) * 1e3)
+            ms = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
+            dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the slowest rank bounds the step
+            records.append(dict(shape=args.shape, H=shape.hidden, I=shape.inter, T_per_rank=T, world=world,
+                                quant_mode=args.quant_mode, exchange=exchange, ms=float(ms), backend=
+                                dist.get_backend(), device=torch.cuda.get_device_name() if cuda else "cpu"))
+            if rank == 0:
+                print(records[-1], flush=True)
+    if rank == 0:
+        existing = json.load(open(args.out)) if os.path.exists(args.out) else []
+        with open(args.out, "w") as f:
+            json.dump(existing + records, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
