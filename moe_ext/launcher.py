@@ -210,7 +210,7 @@ def route(token_selected_experts: torch.Tensor, num_local_experts: int, local_ex
 
 ACTIVATION_KIND = {"swiglu": 0, "situ": 1, "geglu_tanh": 2, "relu2": 3}
 # Routing tiles (tokens per CTA) the GEMM kernels are compiled for: moe_ext/kernels/sm90/stream.py TOKEN_TILES.
-TOKEN_TILES = (8, 64)
+TOKEN_TILES = (8, 64, 128)
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,7 +13,7 @@ def test_every_shipped_kernel_compiles_for_sm90a(tmp_path):
     subprocess.run([sys.executable, "-m", "moe_ext.kernels.sm90.build", str(tmp_path)], check=True)
     names = (tmp_path / "kernels.txt").read_text().split()
     gemms = []
-    for tokens in (8, 64):
+    for tokens in (8, 64, 128):
         gemms += [f"moe_gemm1_{mode}_{kind}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
         gemms += [f"moe_gemm2_{mode}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")]
