@@ -233,14 +233,16 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     """The heuristic for untuned shapes.
 
     Tile: the smallest while an expert gets about 16 rows or fewer on average (decode: weights stream once per
-    tile and small tiles keep padding rows out of the MMAs), else the largest (fewer tiles re-read each expert).
+    tile and small tiles keep padding rows out of the MMAs), else the largest that an expert's rows fill (at
+    least 64): fewer tiles re-read each expert, and a 128-token tile halves the weight decode per MMA (measured
+    1.2-1.36x over 64 at T=4096, benchmarks/results/h200_tile128_profile.md).
     K split: the CTAs one GEMM would launch (expected live tiles under uniform routing x N / 128) are doubled by
     splitting K across a cluster while they still fit one per SM, so a decode step with few experts hit still
     streams from every SM.
     """
     local_slots = num_tokens * top_k * num_local_experts / max(1, num_experts)
     per_expert = local_slots / max(1, num_local_experts)
-    tile = min(tiles) if per_expert <= 16 else max(tiles)
+    tile = min(tiles) if per_expert <= 16 else max(t for t in tiles if t <= max(64, per_expert))
     # Live tiles: the expected experts hit with 50% margin (a split that overshoots one wave costs more than one
     # that undershoots gains), never more than the slots that can be local.
     hit = expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts)

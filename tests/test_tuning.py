@@ -100,3 +100,10 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     # Prefill: the large tile, no split.
     assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132) == (64, 1, 1)
     assert len(launcher.tactics(tiles)) == len(tiles) * len(launcher.K_SPLITS) ** 2
+    # With the 128-token tile: it is taken only where an expert's rows fill it (128 per expert at T=4096 on
+    # DeepSeek-V3, 1024 on Mixtral); 32 per expert (T=1024) stays on 64.
+    tiles = (8, 64, 128)
+    assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132)[0] == 128
+    assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, tiles, 132)[0] == 128
+    assert launcher.default_tactic(1024, 8, 256, 256, 4096, 7168, tiles, 132)[0] == 64
+    assert launcher.default_tactic(1, 8, 256, 256, 4096, 7168, tiles, 132)[0] == 8
