@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moe_ext import bench
-from moe_ext.distributed import ExpertParallelMoE
+from moe_ext.distributed import ExpertParallelMoE, init_from_torchrun
 from moe_ext.quant import PreparedWeights, QuantizedActivation
 from moe_ext.quant.swizzle import mma_view
 
@@ -50,12 +50,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", default="benchmarks/results/h200_expert_parallel.json")
     args = parser.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda" if cuda else "cpu")
+    rank, world, device = init_from_torchrun()
+    cuda = device.type == "cuda"
     shape = bench.SHAPES[args.shape]
     shape = dataclasses.replace(shape, hidden=args.hidden or shape.hidden, inter=args.inter or shape.inter,
                                 num_local=shape.num_experts)

@@ -26,7 +26,6 @@ import moe_ext
 from moe_ext import bench
 from moe_ext.quant import PreparedWeights
 from moe_ext.quant.swizzle import mma_view
-from moe_ext.streams import LocalityDomains
 
 
 def prepared_from(weights: dict, shape: bench.Shape, block: int) -> PreparedWeights:
@@ -84,7 +83,6 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     total_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    domains = LocalityDomains.create(device, args.sm_count)
     from torch.cuda.green_contexts import GreenContext
 
     other_sms = (total_sms - 2 * args.sm_count) // 8 * 8

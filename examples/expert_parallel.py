@@ -6,14 +6,13 @@ NCCL with one GPU per rank when there are enough GPUs, gloo on CPU otherwise (a 
 the single-process layer and prints the time per forward.
 """
 import argparse
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
 import moe_ext
-from moe_ext.distributed import ExpertParallelMoE
+from moe_ext.distributed import ExpertParallelMoE, init_from_torchrun
 
 
 def main():
@@ -26,12 +25,8 @@ def main():
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--exchange", default="all_gather", choices=ExpertParallelMoE.EXCHANGES)
     args = parser.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda" if cuda else "cpu")
+    rank, world, device = init_from_torchrun()
+    cuda = device.type == "cuda"
 
     # Every rank builds the same layer and batch from one seed, then keeps its experts and its tokens.
     E, H, I, K, T = args.experts, args.hidden, args.intermediate, args.top_k, args.tokens

@@ -89,63 +89,7 @@ class HopperBackend:
 
     def run(self, problem: MoEProblem, tactic: Tactic, out: torch.Tensor,
             workspace: MoEWorkspace | None = None) -> torch.Tensor:
-        (tile,) = tactic
-        routing = compute_routing(problem.token_selected_experts, problem.num_local_experts,
-                                  problem.local_expert_offset, tile)
-        if workspace is not None and tile in workspace.tile_sizes:
-            routing = workspace.store_routing(routing)
-        return reference_moe(problem, routing, out)
-
-
-REFERENCE = ReferenceBackend()
-
-
-@dataclass(frozen=True)
-class HopperBackend:
-    """CuTe-DSL kernels for sm_90a: routing, GEMM1 (+ activation + FC2-input quantization), the per-token FC2
-    quantizer (w4a4 with per_token_scale), GEMM2, finalize. A tactic is (routing tile, GEMM1 K split, GEMM2 K
-    split): tokens per CTA of the streaming GEMMs (a tile the kernels were compiled for) and how many CTAs of a
-    cluster share each GEMM tile's K steps."""
-
-    name: str = "sm90"
-
-    def supports(self, problem: MoEProblem) -> bool:
-        from . import launcher
-
-        if not (problem.num_tokens > 0 and problem.num_local_experts <= 2048
-                and launcher.hopper_device(problem.device) and self._tiles(problem)):
-            return False
-        if problem.hidden_size % 128 or problem.intermediate_size % 128:
-            warnings.warn(f"the sm_90a kernels need H % 128 == 0 and I % 128 == 0 (H={problem.hidden_size}, "
-                          f"I={problem.intermediate_size}); this layer runs on the PyTorch reference path",
-                          stacklevel=3)
-            return False
-        return True
-
-    @staticmethod
-    def _tiles(problem: MoEProblem) -> tuple:
-        from . import launcher
-
-        return launcher.token_tiles(problem.kernel_mode, problem.activation.kind)
-
-    def tactics(self, problem: MoEProblem) -> list[Tactic]:
-        from . import launcher
-
-        return launcher.tactics(self._tiles(problem))
-
-    def default_tactic(self, problem: MoEProblem) -> Tactic:
-        from . import launcher
-
-        # A localized shard runs on its domain's SMs, with half the weight rows of each GEMM.
-        parts = 1 if problem.shards is None else len(problem.shards)
-        sms = problem.localized_sm_count or launcher.num_sms(problem.device) // parts
-        return launcher.default_tactic(problem.num_tokens, problem.top_k, problem.num_experts,
-                                       problem.num_local_experts, problem.n1 // parts, problem.hidden_size // parts,
-                                       self._tiles(problem), sms if problem.shards else launcher.num_sms(problem.device))
-
-    def run(self, problem: MoEProblem, tactic: Tactic, out: torch.Tensor,
-            workspace: MoEWorkspace | None = None) -> torch.Tensor:
-        from . import launcher
+        from . import launcher, streams
 
         tile, split1, split2 = tactic
         T, K = problem.num_tokens, problem.top_k
@@ -158,8 +102,6 @@ class HopperBackend:
             buffers = launcher.KernelBuffers.allocate(problem.quant_mode, routing.permuted_to_expanded.numel(),
                                                       problem.intermediate_size, T * K, problem.hidden_size,
                                                       problem.device)
-        from . import streams
-
         memset_stream = problem.localized_memset_stream if problem.shards is not None else problem.aux_stream
         aux = streams.fork_join([memset_stream]) if memset_stream is not None else None
         shard_streams = streams.fork_join(problem.localized_streams) if problem.localized_streams else None

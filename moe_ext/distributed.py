@@ -32,6 +32,19 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def init_from_torchrun() -> tuple[int, int, torch.device]:
+    """Join the process group of a torchrun launch: (rank, world size, device). NCCL with one GPU per rank where
+    there are enough GPUs, else gloo on the CPU (a one-GPU machine runs the CPU path)."""
+    import os
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return rank, world, torch.device("cuda" if cuda else "cpu")
+
+
 class ExpertParallelMoE(torch.nn.Module):
     """One rank's share of an expert-parallel MoE layer. `weights` are this rank's experts
     (`moe_ext.quant.slice_experts(full, rank * E // W, E // W)`); `activation_kwargs` are the fused-MoE activation

@@ -26,20 +26,13 @@ from .fp4 import swizzled_sf_offset
 MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 
 
-def _store_words(address: Int64, words: list) -> None:
-    for i in range(0, len(words) - 3, 4):
-        ptx.st_global_v4(address + 4 * i, *words[i:i + 4])
-    if len(words) % 4:
-        for i in range(len(words) - len(words) % 4, len(words)):
-            ptx.st_global_b32(address + 4 * i, words[i])
-
-
-def _red_words(address: Int64, words: list) -> None:
-    for i in range(0, len(words) - 3, 4):
-        ptx.red_add_bf16x2_v4(address + 4 * i, *words[i:i + 4])
-    if len(words) % 4:
-        for i in range(len(words) - len(words) % 4, len(words)):
-            ptx.red_add_bf16x2(address + 4 * i, words[i])
+def _write_words(address: Int64, words: list, vector_op, scalar_op) -> None:
+    """bf16x2 words to consecutive global addresses: 16-byte instructions, then single words for the rest."""
+    full = len(words) - len(words) % 4
+    for i in range(0, full, 4):
+        vector_op(address + 4 * i, *words[i:i + 4])
+    for i in range(full, len(words)):
+        scalar_op(address + 4 * i, words[i])
 
 
 def make_kernel(mode: str, tokens: int):
@@ -99,9 +92,9 @@ def make_kernel(mode: str, tokens: int):
                 address = out.iterator.toint() + (Int64(out_row) * Int64(out_pitch) + Int64(
                     col_offset + n_tile * cfg.rows + c0)) * 2
                 if fused:
-                    _red_words(address, words)
+                    _write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
                 else:
-                    _store_words(address, words)
+                    _write_words(address, words, ptx.st_global_v4, ptx.st_global_b32)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
