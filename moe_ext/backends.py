@@ -5,8 +5,8 @@ linked into `moe_ext._C` on sm_90 devices, for every quant mode, full width or a
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from dataclasses import dataclass
 
 import torch
 
@@ -17,7 +17,7 @@ from .tuning import AutoTuner, Tactic, token_bucket
 from .workspace import MoEWorkspace
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ReferenceBackend:
     """PyTorch reference. Its only tactic is (routing tile,): the problem's tile size."""
 
@@ -42,7 +42,7 @@ class ReferenceBackend:
 REFERENCE = ReferenceBackend()
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class HopperBackend:
     """CuTe-DSL kernels for sm_90a: routing, GEMM1 (+ activation + FC2-input quantization), the per-token FC2
     quantizer (w4a4 with per_token_scale), GEMM2, finalize. A tactic is (routing tile, GEMM1 K split, GEMM2 K
@@ -70,10 +70,19 @@ class HopperBackend:
 
         return launcher.token_tiles(problem.kernel_mode, problem.activation.kind)
 
+    @staticmethod
+    def _both_widths(problem: MoEProblem) -> bool:
+        """Localized shards with localized_allow_nonlocalized: the full-width path is a candidate too, and a fourth
+        tactic element says which runs (1: the shards, 0: full width)."""
+        return problem.shards is not None and problem.localized_allow_nonlocalized
+
     def tactics(self, problem: MoEProblem) -> list[Tactic]:
         from . import launcher
 
-        return launcher.tactics(self._tiles(problem))
+        base = launcher.tactics(self._tiles(problem))
+        if self._both_widths(problem):
+            return [t + (1,) for t in base] + [t + (0,) for t in base]
+        return base
 
     def default_tactic(self, problem: MoEProblem) -> Tactic:
         from . import launcher
@@ -83,15 +92,19 @@ class HopperBackend:
         sms = launcher.num_sms(problem.device)
         if problem.shards is not None:
             sms = problem.localized_sm_count or sms // parts
-        return launcher.default_tactic(problem.num_tokens, problem.top_k, problem.num_experts,
-                                       problem.num_local_experts, problem.n1 // parts, problem.hidden_size // parts,
-                                       self._tiles(problem), sms)
+        tactic = launcher.default_tactic(problem.num_tokens, problem.top_k, problem.num_experts,
+                                         problem.num_local_experts, problem.n1 // parts,
+                                         problem.hidden_size // parts, self._tiles(problem), sms)
+        return tactic + (1,) if self._both_widths(problem) else tactic
 
     def run(self, problem: MoEProblem, tactic: Tactic, out: torch.Tensor,
             workspace: MoEWorkspace | None = None) -> torch.Tensor:
         from . import launcher, streams
 
-        tile, split1, split2 = tactic
+        tile, split1, split2, *width = tactic
+        if width == [0]:  # the full-width path of a localized problem (localized_allow_nonlocalized)
+            problem = dataclasses.replace(problem, shards=None, localized_streams=None,
+                                          aux_stream=problem.localized_memset_stream or problem.aux_stream)
         T, K = problem.num_tokens, problem.top_k
         if workspace is not None and tile in workspace.tile_sizes:
             routing = workspace.routing_buffers(T, tile)
@@ -120,6 +133,7 @@ def op_key(problem: MoEProblem, backend, op: str) -> tuple:
     """Tuning-cache key: op, backend, quant mode, activation parameters, finalize, shapes and the token bucket."""
     return (op, backend.name, problem.quant_mode, problem.activation.cache_key(),
             problem.per_token_scale is not None, problem.use_fused_finalize, problem.shards is not None,
+            problem.localized_allow_nonlocalized,
             problem.hidden_size, problem.intermediate_size, problem.num_local_experts, problem.top_k,
             token_bucket(max(1, problem.num_tokens)))
 

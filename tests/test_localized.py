@@ -131,3 +131,30 @@ def test_localized_wrapper_captured_once_replays_with_new_routing(fused):
             assert rel_l2(captured, eager) <= 5e-3, step
         else:
             assert torch.equal(captured, eager), f"replay {step} differs from the eager full-width run"
+
+
+def test_allow_nonlocalized_offers_the_full_width_path_as_tactics(monkeypatch):
+    """With localized_allow_nonlocalized=True the Hopper tactics come in both widths (4th element 1: shards,
+    0: full width) and the tuner may pick either; a full-width tactic runs the full-width weights. Without it
+    only the shards' tactics exist, so nothing can read the full-width tensors."""
+    from moe_ext import launcher
+    from moe_ext.backends import HOPPER, op_key
+    from moe_ext.problem import build_problem
+
+    if not launcher.token_tiles("w4a4", "swiglu"):
+        pytest.skip("the launcher was built without the kernels")
+    case = make_case("w4a4", num_tokens=7, hidden=256, inter=256)
+    shards = moe_ext.split_localized_shards(case.prepared)
+    only_local = build_problem(**case.kwargs(localized_weights=shards))
+    both = build_problem(**case.kwargs(localized_weights=shards, localized_allow_nonlocalized=True))
+    base = HOPPER.tactics(only_local)
+    assert all(len(t) == 3 for t in base)
+    assert HOPPER.tactics(both) == [t + (1,) for t in base] + [t + (0,) for t in base]
+    monkeypatch.setattr(launcher, "num_sms", lambda device: 132)
+    assert HOPPER.default_tactic(both)[3] == 1
+    assert op_key(only_local, HOPPER, "op") != op_key(both, HOPPER, "op")
+    seen = []
+    monkeypatch.setattr(launcher, "forward", lambda problem, *a, **k: seen.append(problem.shards))
+    HOPPER.run(both, base[0] + (0,), torch.empty(7, 256, dtype=torch.bfloat16))
+    HOPPER.run(both, base[0] + (1,), torch.empty(7, 256, dtype=torch.bfloat16))
+    assert seen[0] is None and seen[1] is not None
