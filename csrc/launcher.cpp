@@ -67,6 +67,16 @@ void check_divisible(const std::string& name, std::int64_t extent, std::int64_t 
   }
 }
 
+void memset_on(std::uintptr_t ptr, std::int64_t bytes, cudaStream_t stream) {
+  check_cuda(cudaMemsetAsync(reinterpret_cast<void*>(ptr), 0, static_cast<std::size_t>(bytes), stream),
+             "cudaMemsetAsync");
+}
+
+void check_memset(std::uintptr_t ptr, std::int64_t bytes) {
+  if (bytes < 0) throw std::invalid_argument("memset: negative size");
+  if (bytes > 0 && ptr == 0) throw std::invalid_argument("memset: null pointer");
+}
+
 #ifdef MOE_EXT_WITH_KERNELS
 // A flat device buffer as Python hands it over: address and element count.
 struct Buf {
@@ -106,12 +116,13 @@ const KernelEntry& find_kernel(const std::string& name) {
   throw std::invalid_argument("moe_ext: no kernel named " + name);
 }
 
-// Launches kernel `name` on `stream`. The exported entry points trust their arguments blindly, so everything they
-// cannot get wrong silently is checked here: argument counts, int32 extents, null and misaligned pointers.
-// Shape relations between the buffers are checked by the Python caller (moe_ext/launcher.py), which knows them.
-void launch(const std::string& name, const std::vector<std::pair<std::uintptr_t, std::int64_t>>& tensors,
-            const std::vector<double>& scalars, bool pdl, std::uintptr_t stream) {
-  const KernelEntry& entry = find_kernel(name);
+using TensorArgs = std::vector<std::pair<std::uintptr_t, std::int64_t>>;
+
+// The exported entry points trust their arguments blindly, so everything they cannot get wrong silently is checked
+// here, once per launch or once per recorded plan step: argument counts, int32 extents, null and misaligned
+// pointers. Shape relations between the buffers are checked by the Python caller (moe_ext/launcher.py).
+std::vector<Buf> checked_buffers(const std::string& name, const KernelEntry& entry, const TensorArgs& tensors,
+                                 const std::vector<double>& scalars) {
   if (static_cast<int>(tensors.size()) != entry.num_tensors || static_cast<int>(scalars.size()) != entry.num_scalars) {
     throw std::invalid_argument(name + ": expected " + std::to_string(entry.num_tensors) + " tensors and " +
                                 std::to_string(entry.num_scalars) + " scalars");
@@ -128,10 +139,23 @@ void launch(const std::string& name, const std::vector<std::pair<std::uintptr_t,
     check_pointer(what, ptr, 4);
     bufs.push_back(Buf{ptr, size});
   }
+  return bufs;
+}
+
+void launch_entry(const KernelEntry& entry, const std::vector<Buf>& bufs, const std::vector<double>& scalars, bool pdl,
+                  cudaStream_t stream) {
+  const int32_t ret = entry.launch(bufs.data(), scalars.data(), pdl, stream);
+  if (ret != 0) throw std::runtime_error(std::string(entry.name) + ": launch failed with code " + std::to_string(ret));
+  check_cuda(cudaGetLastError(), entry.name);
+}
+
+// Launches kernel `name` on `stream`.
+void launch(const std::string& name, const TensorArgs& tensors, const std::vector<double>& scalars, bool pdl,
+            std::uintptr_t stream) {
+  const KernelEntry& entry = find_kernel(name);
+  const std::vector<Buf> bufs = checked_buffers(name, entry, tensors, scalars);
   load_kernels();
-  const int32_t ret = entry.launch(bufs.data(), scalars.data(), pdl, reinterpret_cast<cudaStream_t>(stream));
-  if (ret != 0) throw std::runtime_error(name + ": launch failed with code " + std::to_string(ret));
-  check_cuda(cudaGetLastError(), name.c_str());
+  launch_entry(entry, bufs, scalars, pdl, reinterpret_cast<cudaStream_t>(stream));
 }
 
 // A recorded forward (moe_ext/plan.py): its launches and memsets with every argument checked once, replayed with
@@ -140,32 +164,18 @@ void launch(const std::string& name, const std::vector<std::pair<std::uintptr_t,
 class LaunchPlan {
  public:
   // patches: (buffer position, role index); side_stream: 0 = the stream run() is given.
-  void add_launch(const std::string& name, const std::vector<std::pair<std::uintptr_t, std::int64_t>>& tensors,
-                  const std::vector<double>& scalars, bool pdl, std::uintptr_t side_stream,
-                  const std::vector<std::pair<int, int>>& patches) {
+  void add_launch(const std::string& name, const TensorArgs& tensors, const std::vector<double>& scalars, bool pdl,
+                  std::uintptr_t side_stream, const std::vector<std::pair<int, int>>& patches) {
     const KernelEntry& entry = find_kernel(name);
-    if (static_cast<int>(tensors.size()) != entry.num_tensors ||
-        static_cast<int>(scalars.size()) != entry.num_scalars) {
-      throw std::invalid_argument(name + ": expected " + std::to_string(entry.num_tensors) + " tensors and " +
-                                  std::to_string(entry.num_scalars) + " scalars");
-    }
-    Step step{&entry, {}, scalars, pdl, side_stream, patches, 0, 0};
-    for (std::size_t i = 0; i < tensors.size(); ++i) {
-      const auto [ptr, size] = tensors[i];
-      const std::string what = name + " tensor " + std::to_string(i);
-      if (size < 0 || size > INT32_MAX) throw std::invalid_argument(what + ": extent outside the int32 range");
-      if (size > 0 && ptr == 0) throw std::invalid_argument(what + ": null pointer");
-      check_pointer(what, ptr, 4);
-      step.bufs.push_back(Buf{ptr, size});
-    }
     for (const auto& [pos, role] : patches) {
       if (pos < 0 || pos >= entry.num_tensors || role < 0) throw std::invalid_argument(name + ": bad patch");
     }
-    steps_.push_back(std::move(step));
+    steps_.push_back(Step{&entry, checked_buffers(name, entry, tensors, scalars), scalars, pdl, side_stream, patches,
+                          0, 0});
   }
 
   void add_memset(std::uintptr_t ptr, std::int64_t bytes, std::uintptr_t side_stream) {
-    if (bytes < 0 || (bytes > 0 && ptr == 0)) throw std::invalid_argument("memset step: bad buffer");
+    check_memset(ptr, bytes);
     steps_.push_back(Step{nullptr, {}, {}, false, side_stream, {}, ptr, bytes});
   }
 
@@ -175,8 +185,7 @@ class LaunchPlan {
     for (const Step& step : steps_) {
       const auto s = reinterpret_cast<cudaStream_t>(step.side_stream ? step.side_stream : stream);
       if (step.entry == nullptr) {
-        check_cuda(cudaMemsetAsync(reinterpret_cast<void*>(step.memset_ptr), 0,
-                                   static_cast<std::size_t>(step.memset_bytes), s), "cudaMemsetAsync");
+        memset_on(step.memset_ptr, step.memset_bytes, s);
         continue;
       }
       bufs = step.bufs;
@@ -187,9 +196,7 @@ class LaunchPlan {
         }
         bufs[pos].ptr = role_pointers[role];
       }
-      const int32_t ret = step.entry->launch(bufs.data(), step.scalars.data(), step.pdl, s);
-      if (ret != 0) throw std::runtime_error(std::string(step.entry->name) + ": launch failed");
-      check_cuda(cudaGetLastError(), step.entry->name);
+      launch_entry(*step.entry, bufs, step.scalars, step.pdl, s);
     }
   }
 
@@ -221,10 +228,8 @@ std::vector<std::string> kernels() { return {}; }
 // Zeroes `bytes` at `ptr` on `stream` (the fused finalize's output, overlapping GEMM1 on an aux stream): a memset
 // node, not a kernel, when captured.
 void memset_async(std::uintptr_t ptr, std::int64_t bytes, std::uintptr_t stream) {
-  if (bytes < 0) throw std::invalid_argument("memset_async: negative size");
-  if (bytes > 0 && ptr == 0) throw std::invalid_argument("memset_async: null pointer");
-  check_cuda(cudaMemsetAsync(reinterpret_cast<void*>(ptr), 0, static_cast<std::size_t>(bytes),
-                             reinterpret_cast<cudaStream_t>(stream)), "cudaMemsetAsync");
+  check_memset(ptr, bytes);
+  memset_on(ptr, bytes, reinterpret_cast<cudaStream_t>(stream));
 }
 
 int cuda_runtime_version() {

@@ -153,7 +153,7 @@ def memset_async(t: torch.Tensor, stream) -> None:
     """Zero `t` with cudaMemsetAsync on `stream` (None: the current one): a memset node, not a kernel, in a
     graph."""
     step = Memset(t.data_ptr(), t.numel() * t.element_size(), stream)
-    _module().memset_async(step.ptr, step.nbytes, (stream or torch.cuda.current_stream()).cuda_stream)
+    _module().memset_async(step.ptr, step.nbytes, (stream or torch.cuda.current_stream(t.device)).cuda_stream)
     if _recorder is not None:
         _recorder.append(step)
 

@@ -61,9 +61,6 @@ class StepList:
                     buffers[i] = (role_pointers[role], buffers[i][1])
             self.module.launch(name, buffers, scalars, pdl, side or stream)
 
-    def __len__(self):
-        return len(self.steps)
-
 
 def _new_segment(module):
     return module.LaunchPlan() if hasattr(module, "LaunchPlan") else StepList(module)

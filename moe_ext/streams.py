@@ -24,15 +24,19 @@ class ForkJoin:
         self.start = torch.cuda.Event()
         self.done = [torch.cuda.Event() for _ in self.streams]
 
+    def _caller(self) -> torch.cuda.Stream:
+        """The current stream of the side streams' device (where the forward's other kernels go)."""
+        return torch.cuda.current_stream(self.streams[0].device)
+
     def fork(self) -> None:
         """Work queued next on any of `streams` starts after everything queued so far on the caller's stream."""
-        self.start.record(torch.cuda.current_stream())
+        self.start.record(self._caller())
         for s in self.streams:
             s.wait_event(self.start)
 
     def join(self) -> None:
         """Work queued next on the caller's stream starts after everything queued so far on `streams`."""
-        caller = torch.cuda.current_stream()
+        caller = self._caller()
         for s, done in zip(self.streams, self.done):
             done.record(s)
             caller.wait_event(done)
