@@ -92,3 +92,35 @@ def has_cuda():
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+RUN_ARGS = ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_weight", "w1_weight_sf", "w1_alpha",
+            "fc2_input_scale", "w2_weight", "w2_weight_sf", "w2_alpha")
+
+
+def replays_with_new_inputs(wrapper, case, fused, steps=100):
+    """Capture `wrapper.run` once over static copies of `case`'s inputs, then for each step copy new routing (5%
+    invalid ids on odd steps) and new activations into them and replay. Yields (step, the graph's output, an eager
+    full-width `cute_dsl_fused_moe` on the same inputs), synchronized."""
+    import moe_ext
+
+    T, K = case.ids.shape
+    H = case.bf16_x.shape[1]
+    static = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.kwargs().items() if k in RUN_ARGS}
+    wrapper.run(**static)  # warm-up: loads the kernels, records the plan (the workspace exists already)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = wrapper.run(**static)
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        ids, scales = routing(T, K, case.num_experts, g, invalid_fraction=0.05 * (step % 2))
+        act = moe_ext.quantize_activation(torch.randn(T, H, generator=g), case.prepared.quant_mode, global_scale=16.0)
+        new = dict(x=act.x.cuda(), x_sf=None if act.x_sf is None else act.x_sf.cuda(),
+                   token_selected_experts=ids.cuda(), token_final_scales=scales.cuda())
+        for name, value in new.items():
+            if value is not None:
+                static[name].copy_(value)
+        graph.replay()
+        eager = moe_ext.cute_dsl_fused_moe(**{**case.kwargs(use_fused_finalize=fused), **new})
+        torch.cuda.synchronize()
+        yield step, captured, eager

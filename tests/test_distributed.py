@@ -1,5 +1,6 @@
 """Expert parallelism across 2 processes (gloo on CPU): each rank holds half the experts and its own tokens; the
 combined result equals the single-process layer within the modes' tolerance."""
+import contextlib
 import os
 import socket
 import sys
@@ -25,9 +26,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, port, mode, act, fused, results, exchange="all_gather"):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+@contextlib.contextmanager
+def _gloo_group(rank: int = 0, world: int = 1, port: int | None = None):
+    """A gloo process group for the duration of the block (one rank of `world`, or a single-process group)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port or _free_port()}", rank=rank,
+                            world_size=world)
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_main(rank, port, mode, act, fused, results, exchange="all_gather"):
+    with _gloo_group(rank, WORLD, port):
         case = make_case(mode, act, num_tokens=sum(TOKENS), top_k=3, num_experts=8, seed=21, invalid_fraction=0.05)
         local = moe_ext.quant.slice_experts(case.prepared, rank * 4, 4)
         exchanges = ExpertParallelMoE.EXCHANGES if exchange == "both" else (exchange,)
@@ -41,8 +52,6 @@ def _rank_main(rank, port, mode, act, fused, results, exchange="all_gather"):
             None if q.per_token_scale is None else q.per_token_scale[rows])
         outs = [layer(mine, case.ids[rows], case.scales[rows]) for layer in layers]
         results[rank] = outs if exchange == "both" else outs[0]
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("exchange", ["all_gather", "all_to_all"])
@@ -76,27 +85,19 @@ def test_all_to_all_equals_all_gather_bitwise_on_two_ranks():
 
 
 def test_unknown_exchange_is_refused():
-    port = _free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with _gloo_group():
         case = make_case("w4a16", num_experts=8)
         with pytest.raises(ValueError, match="exchange must be one of"):
             ExpertParallelMoE(case.prepared, num_experts=8, top_k=2, exchange="broadcast")
-    finally:
-        dist.destroy_process_group()
 
 
 def test_world_size_must_divide_experts():
-    port = _free_port()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with _gloo_group():
         case = make_case("w4a16", num_experts=8)
         with pytest.raises(ValueError, match="must hold 8 experts"):
             ExpertParallelMoE(moe_ext.quant.slice_experts(case.prepared, 0, 4), num_experts=8, top_k=2)
         with pytest.raises(ValueError, match="experts \\[6, 10\\)"):
             moe_ext.quant.slice_experts(case.prepared, 6, 4)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_expert_parallel_example_runs_under_torchrun():

@@ -7,7 +7,7 @@ kernels' fast ex2/rcp and their summation order can move an FC2-input value acro
 
 import pytest
 import torch
-from conftest import gpu, make_case, routing
+from conftest import gpu, make_case, replays_with_new_inputs
 
 import moe_ext
 from moe_ext import launcher
@@ -20,9 +20,6 @@ pytestmark = [
     pytest.mark.skipif(not (torch.cuda.is_available() and launcher.hopper_device(torch.device("cuda"))
                             and launcher.has_kernel("moe_gemm2_w4a16_t8")), reason="needs sm_90 and the kernels"),
 ]
-
-RUN_ARGS = ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_weight", "w1_weight_sf", "w1_alpha",
-            "fc2_input_scale", "w2_weight", "w2_weight_sf", "w2_alpha")
 
 
 def rel_l2(a, b):
@@ -116,24 +113,7 @@ def test_wrapper_graph_capture_replays_with_new_routing(mode):
     for fused in (False, True):
         wrapper = moe_ext.CuteDslMoEWrapper(E, K, H, I, use_cuda_graph=True, max_num_tokens=T, quant_mode=mode,
                                             device="cuda", use_fused_finalize=fused)
-        static = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                  for k, v in base.kwargs().items() if k in RUN_ARGS}
-        wrapper.run(**static)  # warm-up: loads the kernels, sizes nothing (the workspace exists already)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = wrapper.run(**static)
-        g = torch.Generator().manual_seed(1)
-        for step in range(100):
-            ids, scales = routing(T, K, E, g, invalid_fraction=0.05 * (step % 2))
-            act = moe_ext.quantize_activation(torch.randn(T, H, generator=g), mode, global_scale=16.0)
-            new = dict(x=act.x.cuda(), x_sf=None if act.x_sf is None else act.x_sf.cuda(),
-                       token_selected_experts=ids.cuda(), token_final_scales=scales.cuda())
-            for name, value in new.items():
-                if value is not None:
-                    static[name].copy_(value)
-            graph.replay()
-            eager = moe_ext.cute_dsl_fused_moe(**{**base.kwargs(use_fused_finalize=fused), **new})
-            torch.cuda.synchronize()
+        for step, captured, eager in replays_with_new_inputs(wrapper, base, fused):
             if fused:  # bf16 atomic adds: the order of the K contributions may differ (semantics §2.6)
                 assert rel_l2(captured, eager) <= 5e-3, step
             else:

@@ -1,7 +1,7 @@
 """Localized (two-shard) execution: equal to the full-width path, and it never reads the full-width weights."""
 import pytest
 import torch
-from conftest import make_case
+from conftest import make_case, replays_with_new_inputs
 
 import moe_ext
 
@@ -100,33 +100,13 @@ def test_localized_kernels_on_green_contexts_match_full_width(domains, mode, fus
 def test_localized_wrapper_captured_once_replays_with_new_routing(fused):
     """The wrapper keeps its green contexts, streams and shards; one capture replays 100 times with new routing
     and activations, matching eager full-width runs (deterministic: bitwise)."""
-    from conftest import routing
-
     E, K, H, I, T = 32, 8, 1024, 512, 48
     base = make_case("w4a4", num_tokens=T, top_k=K, num_experts=E, hidden=H, inter=I, seed=3).to("cuda")
     wrapper = moe_ext.CuteDslMoEWrapper(E, K, H, I, use_cuda_graph=True, max_num_tokens=T, quant_mode="w4a4",
                                         device="cuda", use_fused_finalize=fused, localized=True)
     assert wrapper.domains is not None and len(wrapper.domains.streams) == 2
     wrapper.localize(base.prepared)
-    run_args = ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_weight", "w1_weight_sf",
-                "w1_alpha", "fc2_input_scale", "w2_weight", "w2_weight_sf", "w2_alpha")
-    static = {k: v.clone() if isinstance(v, torch.Tensor) else v
-              for k, v in base.kwargs().items() if k in run_args}
-    wrapper.run(**static)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = wrapper.run(**static)
-    g = torch.Generator().manual_seed(1)
-    for step in range(100):
-        ids, scales = routing(T, K, E, g, invalid_fraction=0.05 * (step % 2))
-        act = moe_ext.quantize_activation(torch.randn(T, H, generator=g), "w4a4", global_scale=16.0)
-        new = dict(x=act.x.cuda(), x_sf=act.x_sf.cuda(), token_selected_experts=ids.cuda(),
-                   token_final_scales=scales.cuda())
-        for name, value in new.items():
-            static[name].copy_(value)
-        graph.replay()
-        eager = moe_ext.cute_dsl_fused_moe(**{**base.kwargs(use_fused_finalize=fused), **new})
-        torch.cuda.synchronize()
+    for step, captured, eager in replays_with_new_inputs(wrapper, base, fused):
         if fused:
             assert rel_l2(captured, eager) <= 5e-3, step
         else:

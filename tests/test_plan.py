@@ -4,7 +4,7 @@ import contextlib
 
 import pytest
 import torch
-from conftest import make_case
+from conftest import RUN_ARGS, make_case
 
 import moe_ext
 from moe_ext import launcher
@@ -122,9 +122,6 @@ def test_a_larger_workspace_drops_the_recorded_plans():
     wrapper.run(**{k: v for k, v in case.kwargs().items() if k in RUN_ARGS})
     assert ("stale",) not in wrapper._plans
 
-
-RUN_ARGS = ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_weight", "w1_weight_sf", "w1_alpha",
-            "fc2_input_scale", "w2_weight", "w2_weight_sf", "w2_alpha")
 
 
 class FakeStream:

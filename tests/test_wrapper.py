@@ -3,13 +3,10 @@ import inspect
 
 import pytest
 import torch
-from conftest import make_case
+from conftest import RUN_ARGS, make_case
 
 import moe_ext
 from moe_ext import CuteDslMoEWrapper
-
-RUN_ARGS = ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_weight", "w1_weight_sf", "w1_alpha",
-            "fc2_input_scale", "w2_weight", "w2_weight_sf", "w2_alpha")
 
 
 def run_kwargs(case, **over):
