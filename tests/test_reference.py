@@ -1,6 +1,7 @@
 """moe_ext.reference against the independent float64 oracle, and FlashInfer's acceptance rule against the
 fp32 computation on unquantized weights (semantics §6.1)."""
 import itertools
+import zlib
 
 import pytest
 import torch
@@ -42,8 +43,10 @@ GRID = [(m, a, f, ep) for m, a, f, ep in itertools.product(MODES, ACTIVATIONS, (
 
 @pytest.mark.parametrize("mode,act,fused,ep", GRID, ids=lambda v: str(v))
 def test_reference_matches_float64_oracle(mode, act, fused, ep):
-    case = make_case(mode, act, num_tokens=7, top_k=3, num_experts=8, ep=ep[0], rank=ep[1], seed=hash(
-        (mode, act, fused, ep)) % 1000, invalid_fraction=0.1)
+    # zlib, not hash(): str hashes change per process (PYTHONHASHSEED), which made the cases differ run to run.
+    seed = zlib.crc32(repr((mode, act, fused, ep)).encode()) % 1000
+    case = make_case(mode, act, num_tokens=7, top_k=3, num_experts=8, ep=ep[0], rank=ep[1], seed=seed,
+                     invalid_fraction=0.1)
     out = moe_ext.cute_dsl_fused_moe(**case.kwargs(use_fused_finalize=fused))
     assert out.shape == (7, 128) and out.dtype == torch.bfloat16
     assert_matches_oracle(out, run_oracle(case, fused))
