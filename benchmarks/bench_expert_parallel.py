@@ -4,8 +4,11 @@
     torchrun --nproc_per_node=2 benchmarks/bench_expert_parallel.py [--tokens 64,1024,8192] [--shape deepseek-v3]
         [--quant-mode w4a4] [--out benchmarks/results/h200x2_expert_parallel.json]
 
-Rank 0 appends one record per (T, exchange) to --out: median ms per forward over --iters eager forwards (the
-exchanges sync on the host, so they are timed eagerly, CUDA events around each forward), after --warmup.
+Rank 0 appends one record per (T, exchange, timing) to --out: the median ms per forward over --iters forwards after
+--warmup, the slowest rank's, and the tokens per second of all ranks together.
+- timing "eager": CUDA events around each eager forward (all_to_all syncs on the host for its split sizes);
+- timing "graph": the all-gather layer padded to max_tokens_per_rank = T, captured once and replayed (no host sync).
+With one process the exchange is "none": the fused MoE of all experts on the rank's T tokens, the baseline.
 Weights are random codes with realistic scales and the routing is a softmax top-k of random logits (moe_ext.bench);
 on CPU (gloo) it runs the reference path, which only checks that the script works.
 """
@@ -13,15 +16,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from moe_ext import bench
+from moe_ext import bench, cute_dsl_fused_moe
 from moe_ext.distributed import ExpertParallelMoE, init_from_torchrun
 from moe_ext.quant import PreparedWeights, QuantizedActivation
 from moe_ext.quant.swizzle import mma_view
@@ -39,6 +44,22 @@ def local_weights(shape: bench.Shape, quant_mode: str, num_local: int, rank: int
                            shape.wrapper_kwargs()["activation_type"])
 
 
+def variants(world: int, cuda: bool) -> list[tuple[str, str]]:
+    """(exchange, timing) pairs to time: the one-process baseline, or both exchanges (+ the captured all-gather)."""
+    if world == 1:
+        return [("none", "eager")] + ([("none", "graph")] if cuda else [])
+    return [(e, "eager") for e in ExpertParallelMoE.EXCHANGES] + ([("all_gather", "graph")] if cuda else [])
+
+
+def one_process_moe(weights: PreparedWeights, shape: bench.Shape, act_kwargs: dict, activation, ids, scales):
+    """All experts on this process: the fused MoE with no exchange."""
+    w = weights
+    return cute_dsl_fused_moe(activation.x, activation.x_sf, ids, scales, w.w1_weight, w.w1_weight_sf, w.w1_alpha,
+                              w.fc2_input_scale, w.w2_weight, w.w2_weight_sf, w.w2_alpha, shape.num_experts,
+                              shape.top_k, shape.num_experts, 0, quant_mode=w.quant_mode,
+                              activation_type=w.activation_type, **act_kwargs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="deepseek-v3", choices=sorted(bench.SHAPES))
@@ -51,6 +72,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/h200_expert_parallel.json")
     args = parser.parse_args()
     rank, world, device = init_from_torchrun()
+    command = "torchrun --nproc_per_node=%d benchmarks/bench_expert_parallel.py %s" % (world, " ".join(sys.argv[1:]))
     cuda = device.type == "cuda"
     shape = bench.SHAPES[args.shape]
     shape = dataclasses.replace(shape, hidden=args.hidden or shape.hidden, inter=args.inter or shape.inter,
@@ -63,14 +85,25 @@ def main() -> None:
         routing = bench.random_routing(T, shape, bench.point_seed(rank, shape, T, 0), device)
         inputs = bench.moe_ext_inputs(routing, shape.hidden, args.quant_mode, device)
         activation = QuantizedActivation(inputs["x"], inputs["x_sf"])
-        for exchange in ExpertParallelMoE.EXCHANGES:
-            layer = ExpertParallelMoE(weights, num_experts=shape.num_experts, top_k=shape.top_k, exchange=exchange,
-                                      **act_kwargs)
+        for exchange, timing in variants(world, cuda):
+            if exchange == "none":
+                layer = functools.partial(one_process_moe, weights, shape, act_kwargs)
+            else:
+                cap = {"max_tokens_per_rank": T} if timing == "graph" else {}
+                layer = ExpertParallelMoE(weights, num_experts=shape.num_experts, top_k=shape.top_k,
+                                          exchange=exchange, **cap, **act_kwargs)
 
             def forward():
                 return layer(activation, routing.ids, routing.weights)
 
             for _ in range(args.warmup):
+                forward()
+            if timing == "graph":
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    forward()
+                forward = graph.replay  # noqa: F811
                 forward()
             samples = []
             for _ in range(args.iters):
@@ -89,8 +122,9 @@ def main() -> None:
             ms = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
             dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the slowest rank bounds the step
             records.append(dict(shape=args.shape, H=shape.hidden, I=shape.inter, T_per_rank=T, world=world,
-                                quant_mode=args.quant_mode, exchange=exchange, ms=float(ms), backend=
-                                dist.get_backend(), device=torch.cuda.get_device_name() if cuda else "cpu"))
+                                quant_mode=args.quant_mode, exchange=exchange, timing=timing, ms=float(ms),
+                                tokens_per_s=world * T / float(ms) * 1e3, backend=dist.get_backend(),
+                                device=torch.cuda.get_device_name() if cuda else "cpu", command=command))
             if rank == 0:
                 print(records[-1], flush=True)
     if rank == 0:

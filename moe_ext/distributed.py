@@ -14,9 +14,11 @@ sum back, where the source rank adds the partial sums of its tokens in fp32 and 
 T x (ranks hit per token) rows instead of T x W, but its split sizes are exchanged on the host (a sync per step, no
 graph capture).
 
-All-gather + reduce-scatter keeps every buffer's size a function of the largest per-rank T only, so a step can be
-captured in a CUDA graph, and at decode sizes it moves a few rows per rank. Which exchange wins where is to be
-decided by measurement on 2+ GPUs (issue 5); the default stays all-gather, the capturable one.
+All-gather + reduce-scatter keeps every buffer's size a function of the largest per-rank T only. Given
+`max_tokens_per_rank`, the layer pads to it instead of all-gathering the per-rank counts (which reads them on the
+host), so a step has no host sync and can be captured in a CUDA graph; at decode sizes it moves a few rows per rank.
+The default is all-gather, the capturable one; benchmarks/results/h200x2_expert_parallel.md has the measured
+comparison.
 """
 from __future__ import annotations
 
@@ -53,7 +55,8 @@ class ExpertParallelMoE(torch.nn.Module):
     EXCHANGES = ("all_gather", "all_to_all")
 
     def __init__(self, weights: PreparedWeights, num_experts: int, top_k: int, group=None,
-                 use_fused_finalize: bool = True, exchange: str = "all_gather", **activation_kwargs) -> None:
+                 use_fused_finalize: bool = True, exchange: str = "all_gather",
+                 max_tokens_per_rank: int | None = None, **activation_kwargs) -> None:
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ExpertParallelMoE needs an initialised torch.distributed process group")
@@ -68,7 +71,13 @@ class ExpertParallelMoE(torch.nn.Module):
                              f"its weights have {weights.w1_weight.shape[0]}")
         if exchange not in self.EXCHANGES:
             raise ValueError(f"exchange must be one of {self.EXCHANGES}, got {exchange!r}")
+        if max_tokens_per_rank is not None and (isinstance(max_tokens_per_rank, bool) or
+                                                not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1):
+            raise ValueError(f"max_tokens_per_rank must be a positive int or None, got {max_tokens_per_rank!r}")
+        if max_tokens_per_rank is not None and exchange != "all_gather":
+            raise ValueError("max_tokens_per_rank applies to exchange='all_gather' only")
         self.exchange = exchange
+        self.max_tokens_per_rank = max_tokens_per_rank
         self.weights = weights
         self.num_experts = num_experts
         self.top_k = top_k
@@ -101,10 +110,14 @@ class ExpertParallelMoE(torch.nn.Module):
         if self.exchange == "all_to_all":
             return self._forward_all_to_all(activation, token_selected_experts, token_final_scales)
         num_tokens = token_selected_experts.shape[0]
-        counts = torch.tensor([num_tokens], dtype=torch.int64, device=token_selected_experts.device)
-        all_counts = counts.new_empty(self.world)
-        _all_gather(all_counts, counts, group=self.group)
-        rows = int(all_counts.max())
+        rows = self.max_tokens_per_rank
+        if rows is None:
+            counts = torch.tensor([num_tokens], dtype=torch.int64, device=token_selected_experts.device)
+            all_counts = counts.new_empty(self.world)
+            _all_gather(all_counts, counts, group=self.group)
+            rows = int(all_counts.max())  # host sync
+        elif num_tokens > rows:
+            raise ValueError(f"token_selected_experts has {num_tokens} rows, more than max_tokens_per_rank={rows}")
         ids = self._gather(token_selected_experts.to(torch.int32), rows, -1)
         scales = self._gather(token_final_scales, rows, 0.0)
         x = self._gather(activation.x, rows, 0)

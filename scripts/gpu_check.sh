@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# The H200 run, in parts that each fit one device call (10 minutes):
+# The H200 run, in parts; `gpu_check.sh PART [PART ...]` installs once, then runs each (one device call: 10 minutes):
 #   tests:     install, every test (GPU ones included)
+#   kernels:   the Hopper kernel tests only (tests/test_hopper_kernels.py); rest: every other test but EP
+#   ep:        (2 GPUs) the expert-parallel tests on NCCL, the torchrun example, 1- vs 2-GPU benchmark
+#   prefill:   (carry .offline too) JIT-test the wgmma prefill prototype in wip/wgmma_prefill
 #   examples:  install, memcheck of every kernel, the examples, host overhead, fused vs deterministic finalize
 #   bench:     install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
 #   localized: install, the localized / fused-finalize / graph tests, memcheck, the localized benchmark
@@ -10,7 +13,7 @@
 #   OUT=$OUT bash scripts/gpu_check.sh bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:-tests}
+PARTS=${*:-tests}
 OUT=${OUT:-/tmp/moe_ext_gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -26,9 +29,32 @@ step() {  # step NAME TIMEOUT COMMAND...: run, log to $OUT/NAME.log, note rc and
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "$name rc=$? :: $(tail -n 1 "$OUT/$name.log")" | tee -a "$OUT/summary.txt"
 }
+for PART in $PARTS; do
+echo "== $PART" >> "$OUT/summary.txt"
 if [ "$PART" = tests ]; then
   step pytest 540 python3 -m pytest -q -p no:cacheprovider tests -rs --durations=15
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20 | tee -a "$OUT/summary.txt"
+elif [ "$PART" = kernels ]; then
+  step pytest_kernels 400 python3 -m pytest -q -p no:cacheprovider tests/test_hopper_kernels.py -rs --durations=10
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_kernels.log" | head -20 | tee -a "$OUT/summary.txt"
+elif [ "$PART" = rest ]; then
+  step pytest_rest 400 python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/test_hopper_kernels.py \
+    --ignore=tests/test_distributed.py -rs --durations=10
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_rest.log" | head -20 | tee -a "$OUT/summary.txt"
+elif [ "$PART" = ep ]; then
+  step pytest_ep 300 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -rs
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_ep.log" | head -20 | tee -a "$OUT/summary.txt"
+  step example_ep 120 torchrun --nproc_per_node=2 examples/expert_parallel.py --tokens 64
+  step bench_ep1 150 torchrun --nproc_per_node=1 benchmarks/bench_expert_parallel.py \
+    --tokens 64,128,1024,2048,8192,16384 --out "$OUT/h200x2_expert_parallel.json"
+  step bench_ep2 150 torchrun --nproc_per_node=2 benchmarks/bench_expert_parallel.py --tokens 64,1024,8192 \
+    --out "$OUT/h200x2_expert_parallel.json"
+elif [ "$PART" = prefill ]; then
+  tar xJf .offline/cutedsl-4.8.1-py312.tar.xz -C /tmp
+  step prefill 240 bash -c ". /tmp/cutedsl-4.8.1-py312/env.sh && python3 wip/wgmma_prefill/gpu_test_prefill_gemm1.py \
+    --deadline 220 --out $OUT/prefill.json"
+  step prefill_lag0 100 bash -c ". /tmp/cutedsl-4.8.1-py312/env.sh && python3 wip/wgmma_prefill/gpu_test_prefill_gemm1.py \
+    --deadline 90 --lag 0 --skip-old --shapes qwen3,mixtral --out $OUT/prefill_lag0.json"
 elif [ "$PART" = examples ]; then
   step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/memcheck_smoke.py
   step serving_loop 60 python3 examples/serving_loop.py --steps 50
@@ -57,3 +83,4 @@ else
     --modes w4a16 --finalize deterministic --out "$OUT/h200_host_overhead.json"
   step profile 60 python3 benchmarks/profile_kernels.py
 fi
+done
