@@ -51,6 +51,35 @@ def variants(world: int, cuda: bool) -> list[tuple[str, str]]:
     return [(e, "eager") for e in ExpertParallelMoE.EXCHANGES] + ([("all_gather", "graph")] if cuda else [])
 
 
+def time_forward(forward, timing: str, warmup: int, iters: int, cuda: bool) -> list[float]:
+    """ms of each of `iters` forwards (eager, or replays of one captured forward), each after a barrier. The graph
+    dies with this call: a live graph holding NCCL work makes destroy_process_group hang (pytorch/pytorch#115388)."""
+    for _ in range(warmup):
+        forward()
+    if timing == "graph":
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        forward = graph.replay
+        forward()
+    samples = []
+    for _ in range(iters):
+        dist.barrier()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            forward()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            forward()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return samples
+
+
 def one_process_moe(weights: PreparedWeights, shape: bench.Shape, act_kwargs: dict, activation, ids, scales):
     """All experts on this process: the fused MoE with no exchange."""
     w = weights
@@ -93,32 +122,8 @@ def main() -> None:
                 layer = ExpertParallelMoE(weights, num_experts=shape.num_experts, top_k=shape.top_k,
                                           exchange=exchange, **cap, **act_kwargs)
 
-            def forward():
-                return layer(activation, routing.ids, routing.weights)
-
-            for _ in range(args.warmup):
-                forward()
-            if timing == "graph":
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    forward()
-                forward = graph.replay  # noqa: F811
-                forward()
-            samples = []
-            for _ in range(args.iters):
-                dist.barrier()
-                if cuda:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    forward()
-                    end.record()
-                    torch.cuda.synchronize()
-                    samples.append(start.elapsed_time(end))
-                else:
-                    t0 = time.perf_counter()
-                    forward()
-                    samples.append((time.perf_counter() - t0) * 1e3)
+            samples = time_forward(functools.partial(layer, activation, routing.ids, routing.weights), timing,
+                                   args.warmup, args.iters, cuda)
             ms = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
             dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the slowest rank bounds the step
             records.append(dict(shape=args.shape, H=shape.hidden, I=shape.inter, T_per_rank=T, world=world,

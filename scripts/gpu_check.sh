@@ -2,7 +2,7 @@
 # The H200 run, in parts; `gpu_check.sh PART [PART ...]` installs once, then runs each (one device call: 10 minutes):
 #   tests:     install, every test (GPU ones included)
 #   kernels:   the Hopper kernel tests only (tests/test_hopper_kernels.py); rest: every other test but EP
-#   ep:        (2 GPUs) the expert-parallel tests on NCCL, the torchrun example, 1- vs 2-GPU benchmark
+#   ep:        (2 GPUs) the expert-parallel tests on NCCL, the torchrun example; bench_ep: 1- vs 2-GPU benchmark
 #   prefill:   (carry .offline too) JIT-test the wgmma prefill prototype in wip/wgmma_prefill
 #   examples:  install, memcheck of every kernel, the examples, host overhead, fused vs deterministic finalize
 #   bench:     install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
@@ -45,6 +45,7 @@ elif [ "$PART" = ep ]; then
   step pytest_ep 300 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -rs
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_ep.log" | head -20 | tee -a "$OUT/summary.txt"
   step example_ep 120 torchrun --nproc_per_node=2 examples/expert_parallel.py --tokens 64
+elif [ "$PART" = bench_ep ]; then
   step bench_ep1 150 torchrun --nproc_per_node=1 benchmarks/bench_expert_parallel.py \
     --tokens 64,128,1024,2048,8192,16384 --out "$OUT/h200x2_expert_parallel.json"
   step bench_ep2 150 torchrun --nproc_per_node=2 benchmarks/bench_expert_parallel.py --tokens 64,1024,8192 \

@@ -69,20 +69,25 @@ def _rank_main(rank, port, results, mode, act, fused, exchange="all_gather", bac
             q.x[rows], None if q.x_sf is None else q.x_sf[rows],
             None if q.per_token_scale is None else q.per_token_scale[rows])
         if graph:
-            (layer,) = layers
-            layer(mine, case.ids[rows], case.scales[rows])  # warm-up outside capture: kernels load, plans record
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                static_out = layer(mine, case.ids[rows], case.scales[rows])
-            g.replay()
-            g.replay()
-            torch.cuda.synchronize()
-            outs = [static_out.clone()]
+            outs = [_captured_forward(layers[0], mine, case.ids[rows], case.scales[rows])]
         else:
             outs = [layer(mine, case.ids[rows], case.scales[rows]) for layer in layers]
         outs = [o.cpu() for o in outs]
         results[rank] = outs if exchange == "both" else outs[0]
+
+
+def _captured_forward(layer, *inputs):
+    """Capture one forward, replay it twice, return the output. The graph is gone before the process group is
+    destroyed: a live graph holding NCCL work makes destroy_process_group hang (pytorch/pytorch#115388)."""
+    layer(*inputs)  # warm-up outside capture: kernels load, plans record
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_out = layer(*inputs)
+    g.replay()
+    g.replay()
+    torch.cuda.synchronize()
+    return static_out.clone()
 
 
 def _run_ranks(*args, **kwargs):
