@@ -47,7 +47,8 @@ class HopperBackend:
     """CuTe-DSL kernels for sm_90a: routing, GEMM1 (+ activation + FC2-input quantization), the per-token FC2
     quantizer (w4a4 with per_token_scale), GEMM2, finalize. A tactic is (routing tile, GEMM1 K split, GEMM2 K
     split): tokens per CTA of the streaming GEMMs (a tile the kernels were compiled for) and how many CTAs of a
-    cluster share each GEMM tile's K steps."""
+    cluster share each GEMM tile's K steps; split launcher.WGMMA (0) runs that GEMM's warp-specialised wgmma kernel
+    instead (128-token tile, bf16 activations)."""
 
     name: str = "sm90"
 
@@ -71,6 +72,12 @@ class HopperBackend:
         return launcher.token_tiles(problem.kernel_mode, problem.activation.kind)
 
     @staticmethod
+    def _wgmma(problem: MoEProblem) -> bool:
+        from . import launcher
+
+        return launcher.has_wgmma(problem.kernel_mode, problem.activation.kind)
+
+    @staticmethod
     def _both_widths(problem: MoEProblem) -> bool:
         """Localized shards with localized_allow_nonlocalized: the full-width path is a candidate too, and a fourth
         tactic element says which runs (1: the shards, 0: full width)."""
@@ -79,7 +86,7 @@ class HopperBackend:
     def tactics(self, problem: MoEProblem) -> list[Tactic]:
         from . import launcher
 
-        base = launcher.tactics(self._tiles(problem))
+        base = launcher.tactics(self._tiles(problem), self._wgmma(problem))
         if self._both_widths(problem):
             return [t + (1,) for t in base] + [t + (0,) for t in base]
         return base
@@ -94,7 +101,8 @@ class HopperBackend:
             sms = problem.localized_sm_count or sms // parts
         tactic = launcher.default_tactic(problem.num_tokens, problem.top_k, problem.num_experts,
                                          problem.num_local_experts, problem.n1 // parts,
-                                         problem.hidden_size // parts, self._tiles(problem), sms)
+                                         problem.hidden_size // parts, self._tiles(problem), sms,
+                                         self._wgmma(problem))
         return tactic + (1,) if self._both_widths(problem) else tactic
 
     def run(self, problem: MoEProblem, tactic: Tactic, out: torch.Tensor,

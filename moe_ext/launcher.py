@@ -221,15 +221,35 @@ def token_tiles(mode: str, kind: str) -> tuple:
 
 
 K_SPLITS = (1, 2, 4)  # CTAs of a cluster that share one GEMM tile's K steps (cluster split-K)
+# The "split" of a GEMM that selects its warp-specialised wgmma kernel (gemm1_wgmma.py, gemm2_wgmma.py):
+# 128-token tiles, bf16 activations, no K split.
+WGMMA = 0
+WGMMA_TILE = 128
 
 
-def tactics(tiles: tuple) -> list[tuple]:
-    """Hopper tactics: (routing tile, GEMM1 K split, GEMM2 K split)."""
-    return [(t, s1, s2) for t in tiles for s1 in K_SPLITS for s2 in K_SPLITS]
+def gemm1_kernel(mode: str, kind: str, tile: int, split: int) -> str:
+    return f"moe_gemm1_{mode}_{kind}_t{tile}" + ("_wgmma" if split == WGMMA else "")
+
+
+def gemm2_kernel(mode: str, tile: int, split: int) -> str:
+    return f"moe_gemm2_{mode}_t{tile}" + ("_wgmma" if split == WGMMA else "")
+
+
+@functools.lru_cache(maxsize=None)
+def has_wgmma(mode: str, kind: str) -> bool:
+    """Whether both wgmma GEMMs and the 128-token tile's other kernels are linked for this mode and activation."""
+    return (WGMMA_TILE in token_tiles(mode, kind) and has_kernel(gemm1_kernel(mode, kind, WGMMA_TILE, WGMMA))
+            and has_kernel(gemm2_kernel(mode, WGMMA_TILE, WGMMA)))
+
+
+def tactics(tiles: tuple, wgmma: bool = False) -> list[tuple]:
+    """Hopper tactics: (routing tile, GEMM1 K split or WGMMA, GEMM2 K split or WGMMA)."""
+    splits = {t: K_SPLITS + ((WGMMA,) if wgmma and t == WGMMA_TILE else ()) for t in tiles}
+    return [(t, s1, s2) for t in tiles for s1 in splits[t] for s2 in splits[t]]
 
 
 def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, n1: int, hidden: int,
-                   tiles: tuple, num_sms: int) -> tuple:
+                   tiles: tuple, num_sms: int, wgmma: bool = False) -> tuple:
     """The heuristic for untuned shapes.
 
     Tile: the smallest while an expert gets about 16 rows or fewer on average (decode: weights stream once per
@@ -239,6 +259,8 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     K split: the CTAs one GEMM would launch (expected live tiles under uniform routing x N / 128) are doubled by
     splitting K across a cluster while they still fit one per SM, so a decode step with few experts hit still
     streams from every SM.
+    A GEMM on 128-token tiles with no split runs its wgmma kernel where it is linked (the prototype GEMM1 ran at
+    1.8x the streaming one at T = 4096, benchmarks/results/h200_session4_checks.md).
     """
     local_slots = num_tokens * top_k * num_local_experts / max(1, num_experts)
     per_expert = local_slots / max(1, num_local_experts)
@@ -252,7 +274,10 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
         ctas = max(1.0, live * rows / 128)
         return max(s for s in K_SPLITS if s == 1 or ctas * s <= num_sms)
 
-    return tile, split(n1), split(hidden)
+    splits = (split(n1), split(hidden))
+    if wgmma and tile == WGMMA_TILE:
+        splits = tuple(WGMMA if s == 1 else s for s in splits)
+    return (tile, *splits)
 
 
 @functools.lru_cache(maxsize=None)
@@ -323,7 +348,7 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     """routing -> GEMM1 (-> per-token FC2 quantize) -> GEMM2 (-> finalize) on the current stream; every grid
     depends on T only, so the sequence can be captured in a CUDA graph once and replayed for any routing.
 
-    k_splits: the cluster K split of GEMM1 and GEMM2 (K_SPLITS). Fused finalize: `out` is zeroed (on the `aux`
+    k_splits: the cluster K split of GEMM1 and GEMM2 (K_SPLITS, or WGMMA for the wgmma kernel). Fused finalize: `out` is zeroed (on the `aux`
     ForkJoin's stream, overlapping GEMM1, or in order on the current stream without one) and GEMM2 adds each
     router-weighted row into it; deterministic: GEMM2 writes per-slot rows and the finalize kernel sums them.
     Localized shards (problem.shards): FC1 of each shard writes its half of the intermediate columns, FC2 of each
@@ -366,21 +391,21 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
 
     def gemm1(d: int) -> None:
         w = parts[d]
-        launch(f"moe_gemm1_{mode}_{problem.activation.kind}_t{tile}", [
+        launch(gemm1_kernel(mode, problem.activation.kind, tile, k_splits[0]), [
             x_bf16, x_q, x_sf, pts,
             _weight_view(_check("w1_weight", w.w1, u8, device, E * n1 * H // 2, 16)),
             _check("w1_weight_sf", w.w1_sf_bytes(), u8, device, swizzled_size(E, n1, H // block), 16),
             w1_alpha, *maps, buf["intermediate_bf16"], buf["intermediate_q"], buf["intermediate_sf"], fc2_scale,
-        ], [H, n1, I, d * inter_part, K, *act, k_splits[0]], enable_pdl, device)
+        ], [H, n1, I, d * inter_part, K, *act, max(1, k_splits[0])], enable_pdl, device)
 
     def gemm2(d: int) -> None:
         w = parts[d]
-        launch(f"moe_gemm2_{mode}_t{tile}", [
+        launch(gemm2_kernel(mode, tile, k_splits[1]), [
             buf["intermediate_bf16"], buf["intermediate_q"], buf["intermediate_sf"], buf["row_scale"],
             _weight_view(_check("w2_weight", w.w2, u8, device, E * h_part * I // 2, 16)),
             _check("w2_weight_sf", w.w2_sf_bytes(), u8, device, swizzled_size(E, h_part, I // block), 16),
             w2_alpha, scales, *maps, out_flat if fused else buf["slot_output"],
-        ], [h_part, I, H, d * h_part, K, fused, k_splits[1]], enable_pdl, device)
+        ], [h_part, I, H, d * h_part, K, fused, max(1, k_splits[1])], enable_pdl, device)
 
     def on_parts(kernel) -> None:
         if shard_streams is None or len(parts) == 1:

@@ -150,9 +150,11 @@ class CuteDslMoEWrapper:
         return self.localized_weights
 
     def get_valid_tactics(self) -> list[tuple]:
-        """Tactics `run(..., tactic=)` accepts: on Hopper (routing tile, GEMM1 K split, GEMM2 K split), on the
-        reference path (routing tile,)."""
-        return launcher.tactics(self.routing_tiles) if self.on_hopper else [(t,) for t in self.routing_tiles]
+        """Tactics `run(..., tactic=)` accepts: on Hopper (routing tile, GEMM1 K split, GEMM2 K split; a split of
+        launcher.WGMMA runs that GEMM's wgmma kernel), on the reference path (routing tile,)."""
+        if not self.on_hopper:
+            return [(t,) for t in self.routing_tiles]
+        return launcher.tactics(self.routing_tiles, launcher.has_wgmma(self.quant_mode, self.activation.kind))
 
     def run(self, x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
             fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, tactic=None, *, per_token_scale=None):

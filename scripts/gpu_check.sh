@@ -4,6 +4,7 @@
 #   kernels:   the Hopper kernel tests only (tests/test_hopper_kernels.py); rest: every other test but EP
 #   ep:        (2 GPUs) the expert-parallel tests on NCCL, the torchrun example; bench_ep: 1- vs 2-GPU benchmark
 #   prefill:   (carry .offline too) JIT-test the wgmma prefill prototype in wip/wgmma_prefill
+#   wgmma:     the w4a16 / localized / tactic tests (they add the wgmma GEMM1 tactic), memcheck, its benchmark
 #   examples:  install, memcheck of every kernel, the examples, host overhead, fused vs deterministic finalize
 #   bench:     install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
 #   localized: install, the localized / fused-finalize / graph tests, memcheck, the localized benchmark
@@ -56,6 +57,17 @@ elif [ "$PART" = prefill ]; then
     --deadline 220 --out $OUT/prefill.json"
   step prefill_lag0 100 bash -c ". /tmp/cutedsl-4.8.1-py312/env.sh && python3 wip/wgmma_prefill/gpu_test_prefill_gemm1.py \
     --deadline 90 --lag 0 --skip-old --shapes qwen3,mixtral --out $OUT/prefill_lag0.json"
+elif [ "$PART" = wgmma ]; then
+  step pytest_wgmma 300 python3 -m pytest -q -p no:cacheprovider tests/test_hopper_kernels.py tests/test_localized.py \
+    tests/test_tuning.py -k "w4a16 or wgmma or localized or tactic" -rs
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_wgmma.log" | head -20 | tee -a "$OUT/summary.txt"
+  step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/memcheck_smoke.py
+  step profile_wgmma 60 python3 benchmarks/profile_kernels.py \
+    --points qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096
+  step profile_stream 60 python3 benchmarks/profile_kernels.py --tactic 128,1,1 \
+    --points qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096
+  step bench_wgmma 220 python3 -m moe_ext.bench --tokens 1024,4096 --modes w4a16 --finalize fused --iters 20 \
+    --max-seconds-per-point 1.5 --out "$OUT/h200_wgmma.json"
 elif [ "$PART" = examples ]; then
   step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/memcheck_smoke.py
   step serving_loop 60 python3 examples/serving_loop.py --steps 50

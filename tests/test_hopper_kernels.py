@@ -53,6 +53,9 @@ def check_against_reference(case, fused, every_tile=True, **over):
     chosen = [(t, 1, 1) for t in tiles] + [(tiles[0], 4, 2), (tiles[-1], 2, 4)]
     if not every_tile:  # the smallest tile unsplit and the largest split: both kernels' paths, half the runs
         chosen = [(tiles[0], 1, 1), (tiles[-1], 2, 4)]
+    W = launcher.WGMMA
+    if (launcher.WGMMA_TILE, W, W) in HOPPER.tactics(problem):  # the wgmma GEMMs (w4a16), each and both
+        chosen += [(launcher.WGMMA_TILE, W, 1), (launcher.WGMMA_TILE, 2, W), (launcher.WGMMA_TILE, W, W)]
     for tactic in chosen:
         poisoned = torch.full_like(expected, float("nan"))
         out = moe_ext.cute_dsl_fused_moe(**kw, moe_output=poisoned, tactic=tactic)

@@ -96,6 +96,26 @@ def test_localized_kernels_on_green_contexts_match_full_width(domains, mode, fus
 
 @hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("act", ["swiglu", "relu2"])
+def test_localized_wgmma_gemms_equal_full_width_bitwise(domains, act):
+    """The wgmma GEMMs (tactic (128, WGMMA, WGMMA)) on the two shards write the same bits as on full width: each
+    intermediate and output column sums the same K stages in the same order."""
+    from moe_ext import launcher
+
+    tactic = (launcher.WGMMA_TILE, launcher.WGMMA, launcher.WGMMA)
+    case = make_case("w4a16", act, num_tokens=300, top_k=8, num_experts=16, hidden=512, inter=256, seed=12,
+                     invalid_fraction=0.05, weight_scale=0.05).to("cuda")
+    full = moe_ext.cute_dsl_fused_moe(**case.kwargs(use_fused_finalize=False, tactic=tactic))
+    shards = moe_ext.split_localized_shards(case.prepared, pools=domains.pools)
+    local = moe_ext.cute_dsl_fused_moe(**case.kwargs(use_fused_finalize=False, localized_weights=shards,
+                                                     localized_streams=domains.streams, tactic=tactic))
+    torch.cuda.synchronize()
+    assert torch.isfinite(full).all()
+    assert torch.equal(local, full)
+
+
+@hopper
+@pytest.mark.gpu
 @pytest.mark.parametrize("fused", [False, True])
 def test_localized_wrapper_captured_once_replays_with_new_routing(fused):
     """The wrapper keeps its green contexts, streams and shards; one capture replays 100 times with new routing

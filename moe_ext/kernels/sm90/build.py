@@ -31,7 +31,7 @@ def specialisations():
     """(export name, compile function) of every kernel the launcher links."""
     import functools
 
-    from . import activations, fc2_quant_per_token, finalize, gemm1, gemm2, routing, stream
+    from . import activations, fc2_quant_per_token, finalize, gemm1, gemm1_wgmma, gemm2, gemm2_wgmma, routing, stream
 
     specs = [("moe_routing", routing.compile_routing)]
     for tokens in stream.TOKEN_TILES:
@@ -42,6 +42,11 @@ def specialisations():
                                   functools.partial(gemm1.compile_gemm1, mode, kind, tokens)))
         specs += [(f"moe_gemm2_{mode}_t{tokens}", functools.partial(gemm2.compile_gemm2, mode, tokens))
                   for mode in gemm2.MODES]
+    # The warp-specialised wgmma GEMMs for large T: 128-token routing tiles, bf16 activations.
+    specs += [(f"moe_gemm1_{mode}_{kind}_t128_wgmma", functools.partial(gemm1_wgmma.compile_gemm1_wgmma, mode, kind))
+              for mode in gemm1_wgmma.MODES for kind in activations.KINDS]
+    specs += [(f"moe_gemm2_{mode}_t128_wgmma", functools.partial(gemm2_wgmma.compile_gemm2_wgmma, mode))
+              for mode in gemm2_wgmma.MODES]
     specs += [("moe_fc2_quant_per_token", fc2_quant_per_token.compile_fc2_quant),
               ("moe_finalize", finalize.compile_finalize)]
     return specs

@@ -123,6 +123,11 @@ def make_kernel(mode: str, kind: str, tokens: int):
 
 
 def compile_gemm1(mode: str, kind: str, tokens: int, options: str):
+    return compile_launch(make_kernel(mode, kind, tokens), options)
+
+
+def compile_launch(launch, options: str):
+    """Compile a GEMM1 launch function (this module's, or gemm1_wgmma's: the same arguments) on fake tensors."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     def vector(dtype, align=4):
@@ -130,7 +135,7 @@ def compile_gemm1(mode: str, kind: str, tokens: int, options: str):
 
     u8 = cutlass.Uint8
     return cute.compile(
-        make_kernel(mode, kind, tokens), vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32),
+        launch, vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32),
         vector(u8, 16), vector(u8, 16), vector(Float32), vector(Int32), vector(Int32), vector(Int32), vector(Int32),
         vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32), Int32(128), Int32(256), Int32(128), Int32(0),
         Int32(1),

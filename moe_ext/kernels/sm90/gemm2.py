@@ -26,7 +26,7 @@ from .fp4 import swizzled_sf_offset
 MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 
 
-def _write_words(address: Int64, words: list, vector_op, scalar_op) -> None:
+def write_words(address: Int64, words: list, vector_op, scalar_op) -> None:
     """bf16x2 words to consecutive global addresses: 16-byte instructions, then single words for the rest."""
     full = len(words) - len(words) % 4
     for i in range(0, full, 4):
@@ -92,9 +92,9 @@ def make_kernel(mode: str, tokens: int):
                 address = out.iterator.toint() + (Int64(out_row) * Int64(out_pitch) + Int64(
                     col_offset + n_tile * cfg.rows + c0)) * 2
                 if fused:
-                    _write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
+                    write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
                 else:
-                    _write_words(address, words, ptx.st_global_v4, ptx.st_global_b32)
+                    write_words(address, words, ptx.st_global_v4, ptx.st_global_b32)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
@@ -114,6 +114,11 @@ def make_kernel(mode: str, tokens: int):
 
 
 def compile_gemm2(mode: str, tokens: int, options: str):
+    return compile_launch(make_kernel(mode, tokens), options)
+
+
+def compile_launch(launch, options: str):
+    """Compile a GEMM2 launch function (this module's, or gemm2_wgmma's: the same arguments) on fake tensors."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     def vector(dtype, align=4):
@@ -121,7 +126,7 @@ def compile_gemm2(mode: str, tokens: int, options: str):
 
     u8 = cutlass.Uint8
     return cute.compile(
-        make_kernel(mode, tokens), vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32), vector(u8, 16),
+        launch, vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32), vector(u8, 16),
         vector(u8, 16), vector(Float32), vector(Float32), vector(Int32), vector(Int32), vector(Int32), vector(Int32),
         vector(BFloat16, 16), Int32(128), Int32(128), Int32(128), Int32(0), Int32(1), cutlass.Boolean(True), Int32(1),
         cutlass.Boolean(True),

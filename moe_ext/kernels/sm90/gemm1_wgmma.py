@@ -1,0 +1,112 @@
+"""GEMM1 for large token counts (sm_90a, w4a16): the warp-specialised wgmma mainloop (wgmma_mainloop.py) over
+gathered bf16 token rows and NVFP4 weights, then alpha -> activation -> bf16 FC2 input.
+
+Same arguments as gemm1.py's kernel (the launcher picks either by name; this one ignores the tensors of the
+quantized modes and `k_split`, which must be 1). Grid (max tiles, N1 / 128): CTA (m, n) takes routing tile m
+(128 permuted rows of one local expert; tiles past the device-side live count exit at once, so the grid depends
+only on T) and weight rows [128n, 128n + 128) of this launch's N1 rows. Token rows are gathered through
+permuted_to_expanded (token = expanded // top_k); rows at or past the tile's limit read the last valid row and are
+not stored. With the 64-row up/gate interleave a 128-row weight tile gives intermediate columns
+[col_offset + 64n, col_offset + 64n + 64) (up in accumulator columns 0..63, gate in 64..127); Relu2 gives 128.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from . import activations, gemm1, ptx
+from . import wgmma_mainloop as mainloop
+
+MODES = ("w4a16",)
+
+
+def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig = mainloop.DEFAULT):
+    if mode not in MODES:
+        raise ValueError(f"the wgmma GEMM1 takes bf16 activations (w4a16), not {mode}")
+    cfg.check()
+    gated = kind != "relu2"
+    width = cfg.bn // 2 if gated else cfg.bn  # intermediate columns of one CTA
+    per_thread = width // 2
+
+    @cute.kernel
+    def gemm1_wgmma_kernel(x_bf16: cute.Tensor, x_q: cute.Tensor, x_sf: cute.Tensor, per_token_scale: cute.Tensor,
+                           w1: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor,
+                           permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor,
+                           tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor, out_bf16: cute.Tensor,
+                           out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor, hidden: Int32,
+                           n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32, p1: Float32,
+                           p2: Float32, p3: Float32, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
+                           sB_layout: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        tile, n_tile, _ = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        cute.arch.griddepcontrol_wait()
+        if tile < num_live_tiles[0]:
+            expert = tile_to_expert[tile]
+            limit = tile_to_mn_limit[tile]
+            row0 = tile * cfg.bm
+            sA, sB, s_c, raw_codes, raw_scales, pipe = mainloop.allocate(cfg, sA_layout, sB_layout)
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(cfg.producer_regs)
+
+                def token_row_offset(m):
+                    token = permuted_to_expanded[cute.math.min(row0 + m, limit - 1)] // top_k
+                    return Int64(token) * Int64(hidden) * Int64(2)
+
+                mainloop.produce(cfg, pipe, sA, sB, raw_codes, raw_scales, tidx, x_bf16.iterator.toint(), token_row_offset, w1, w1_sf, expert,
+                                 n_tile * cfg.bn, n1, hidden)
+            else:
+                cute.arch.setmaxregister_increase(cfg.consumer_regs)
+                ctid = tidx - mainloop.PRODUCERS
+                mainloop.consume(cfg, pipe, sA, sB, s_c, tiled_mma, wg, ctid, hidden)
+                r, half = mainloop.epilogue_thread(ctid)
+                row = row0 + r
+                if row < limit:
+                    s1 = w1_alpha[expert]
+                    c0 = half * per_thread  # this thread's first intermediate column inside the CTA's
+                    row_addr = s_c.iterator.toint() + r * (cfg.pitch * 4)
+                    out_addr = out_bf16.iterator.toint() + (
+                        Int64(row) * Int64(inter) + Int64(col_offset + n_tile * width + c0)) * Int64(2)
+                    for v in cutlass.range_constexpr(per_thread // 8):  # 8 values = one 16-byte store
+                        packed = []
+                        for q in cutlass.range_constexpr(2):
+                            c = c0 + 8 * v + 4 * q
+                            up = ptx.ld_shared_v4(row_addr + c * 4)
+                            h = []
+                            if cutlass.const_expr(gated):
+                                gate = ptx.ld_shared_v4(row_addr + (c + cfg.bn // 2) * 4)
+                                for j in cutlass.range_constexpr(4):
+                                    h.append(activations.apply(kind, up[j].bitcast(Float32) * s1,
+                                                               gate[j].bitcast(Float32) * s1, (p0, p1, p2, p3)))
+                            else:
+                                for j in cutlass.range_constexpr(4):
+                                    h.append(activations.apply(kind, None, up[j].bitcast(Float32) * s1,
+                                                               (p0, p1, p2, p3)))
+                            packed += [ptx.pack_bf16x2(h[0], h[1]), ptx.pack_bf16x2(h[2], h[3])]
+                        ptx.st_global_v4(out_addr + Int64(16 * v), *packed)
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def launch(x_bf16: cute.Tensor, x_q: cute.Tensor, x_sf: cute.Tensor, per_token_scale: cute.Tensor,
+               w1: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor, permuted_to_expanded: cute.Tensor,
+               tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
+               out_bf16: cute.Tensor, out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor,
+               hidden: Int32, n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32, p1: Float32,
+               p2: Float32, p3: Float32, k_split: Int32, pdl: cutlass.Boolean, stream: cuda.CUstream):
+        tiled_mma = mainloop.make_tiled_mma(cfg)
+        sA_layout, sB_layout = mainloop.smem_layouts(cfg)
+        storage = mainloop.make_storage(cfg, sA_layout, sB_layout)
+        gemm1_wgmma_kernel(x_bf16, x_q, x_sf, per_token_scale, w1, w1_sf, w1_alpha, permuted_to_expanded,
+                           tile_to_expert, tile_to_mn_limit, num_live_tiles, out_bf16, out_q, out_sf,
+                           fc2_input_scale, hidden, n1, inter, col_offset, top_k, p0, p1, p2, p3, tiled_mma,
+                           sA_layout, sB_layout).launch(
+            grid=(cute.size(tile_to_expert), n1 // cfg.bn, 1), block=(cfg.threads, 1, 1),
+            smem=storage.size_in_bytes(), stream=stream, use_pdl=pdl)
+
+    return launch
+
+
+def compile_gemm1_wgmma(mode: str, kind: str, options: str):
+    return gemm1.compile_launch(make_kernel(mode, kind), options)

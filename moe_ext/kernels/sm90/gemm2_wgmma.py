@@ -1,0 +1,104 @@
+"""GEMM2 for large token counts (sm_90a, w4a16): the warp-specialised wgmma mainloop (wgmma_mainloop.py) over the
+bf16 FC2-input rows and NVFP4 FC2 weights, finalized like gemm2.py (semantics §2.6).
+
+Same arguments as gemm2.py's kernel (the launcher picks either by name; this one ignores the quantized FC2-input
+tensors and `k_split`, which must be 1). Grid (max tiles, N / 128): CTA (m, n) takes routing tile m (128 permuted
+rows of one local expert, read in place: the FC2 input is already in permuted order) and weight rows
+[128n, 128n + 128) of this launch's N (= `hidden`: H, or H / 2 for a localized shard), whose output columns start at
+`col_offset` of rows `out_pitch` wide. Each valid row p (expanded slot s = t*K + k) gives
+y = bf16(w2_alpha[e] * scale * acc): fused, scale = token_final_scales[s] and y is added (bf16x2 reduce-add) into
+out[t]; deterministic, scale = 1 and y is stored to the slot row out[s].
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from . import gemm2, ptx
+from . import wgmma_mainloop as mainloop
+
+MODES = ("w4a16",)
+
+
+def make_kernel(mode: str, cfg: mainloop.WgmmaConfig = mainloop.DEFAULT):
+    if mode not in MODES:
+        raise ValueError(f"the wgmma GEMM2 takes a bf16 FC2 input (w4a16), not {mode}")
+    cfg.check()
+    per_thread = cfg.bn // 2  # output columns of one epilogue thread
+
+    @cute.kernel
+    def gemm2_wgmma_kernel(a_bf16: cute.Tensor, a_q: cute.Tensor, a_sf: cute.Tensor, row_scale: cute.Tensor,
+                           w2: cute.Tensor, w2_sf: cute.Tensor, w2_alpha: cute.Tensor,
+                           token_final_scales: cute.Tensor, permuted_to_expanded: cute.Tensor,
+                           tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
+                           out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32, col_offset: Int32,
+                           top_k: Int32, fused: cutlass.Boolean, tiled_mma: cute.TiledMma,
+                           sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        tile, n_tile, _ = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        cute.arch.griddepcontrol_wait()
+        if tile < num_live_tiles[0]:
+            expert = tile_to_expert[tile]
+            limit = tile_to_mn_limit[tile]
+            row0 = tile * cfg.bm
+            sA, sB, s_c, raw_codes, raw_scales, pipe = mainloop.allocate(cfg, sA_layout, sB_layout)
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(cfg.producer_regs)
+
+                def permuted_row_offset(m):
+                    return Int64(cute.math.min(row0 + m, limit - 1)) * Int64(inter) * Int64(2)
+
+                mainloop.produce(cfg, pipe, sA, sB, raw_codes, raw_scales, tidx, a_bf16.iterator.toint(),
+                                 permuted_row_offset, w2, w2_sf, expert, n_tile * cfg.bn, hidden, inter)
+            else:
+                cute.arch.setmaxregister_increase(cfg.consumer_regs)
+                ctid = tidx - mainloop.PRODUCERS
+                mainloop.consume(cfg, pipe, sA, sB, s_c, tiled_mma, wg, ctid, inter)
+                r, half = mainloop.epilogue_thread(ctid)
+                row = row0 + r
+                if row < limit:
+                    slot = permuted_to_expanded[row]
+                    scale = w2_alpha[expert]
+                    out_row = slot
+                    if fused:
+                        scale = w2_alpha[expert] * token_final_scales[slot]
+                        out_row = slot // top_k
+                    c0 = half * per_thread
+                    row_addr = s_c.iterator.toint() + r * (cfg.pitch * 4)
+                    words = []
+                    for v in cutlass.range_constexpr(per_thread // 4):
+                        acc = ptx.ld_shared_v4(row_addr + (c0 + 4 * v) * 4)
+                        words += [ptx.pack_bf16x2(scale * acc[0].bitcast(Float32), scale * acc[1].bitcast(Float32)),
+                                  ptx.pack_bf16x2(scale * acc[2].bitcast(Float32), scale * acc[3].bitcast(Float32))]
+                    address = out.iterator.toint() + (Int64(out_row) * Int64(out_pitch) + Int64(
+                        col_offset + n_tile * cfg.bn + c0)) * 2
+                    if fused:
+                        gemm2.write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
+                    else:
+                        gemm2.write_words(address, words, ptx.st_global_v4, ptx.st_global_b32)
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def launch(a_bf16: cute.Tensor, a_q: cute.Tensor, a_sf: cute.Tensor, row_scale: cute.Tensor, w2: cute.Tensor,
+               w2_sf: cute.Tensor, w2_alpha: cute.Tensor, token_final_scales: cute.Tensor,
+               permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor,
+               num_live_tiles: cute.Tensor, out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32,
+               col_offset: Int32, top_k: Int32, fused: cutlass.Boolean, k_split: Int32, pdl: cutlass.Boolean,
+               stream: cuda.CUstream):
+        tiled_mma = mainloop.make_tiled_mma(cfg)
+        sA_layout, sB_layout = mainloop.smem_layouts(cfg)
+        storage = mainloop.make_storage(cfg, sA_layout, sB_layout)
+        gemm2_wgmma_kernel(a_bf16, a_q, a_sf, row_scale, w2, w2_sf, w2_alpha, token_final_scales,
+                           permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out, hidden,
+                           inter, out_pitch, col_offset, top_k, fused, tiled_mma, sA_layout, sB_layout).launch(
+            grid=(cute.size(tile_to_expert), hidden // cfg.bn, 1), block=(cfg.threads, 1, 1),
+            smem=storage.size_in_bytes(), stream=stream, use_pdl=pdl)
+
+    return launch
+
+
+def compile_gemm2_wgmma(mode: str, options: str):
+    return gemm2.compile_launch(make_kernel(mode), options)
