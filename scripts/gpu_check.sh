@@ -4,7 +4,8 @@
 #   kernels:   the Hopper kernel tests only (tests/test_hopper_kernels.py); rest: every other test but EP
 #   ep:        (2 GPUs) the expert-parallel tests on NCCL, the torchrun example; bench_ep: 1- vs 2-GPU benchmark
 #   prefill:   (carry .offline too) JIT-test the wgmma prefill prototype in wip/wgmma_prefill
-#   wgmma:     the w4a16 / localized / tactic tests (they add the wgmma GEMM1 tactic), memcheck, its benchmark
+#   wgmma:     the w4a16 / localized / tactic tests (they add the wgmma tactics), memcheck, profile, benchmark
+#   tile_choice: per-kernel times of the default tactic vs (128, wgmma, wgmma) where experts get 16-64 rows; T=16384
 #   examples:  install, memcheck of every kernel, the examples, host overhead, fused vs deterministic finalize
 #   bench:     install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
 #   localized: install, the localized / fused-finalize / graph tests, memcheck, the localized benchmark
@@ -68,6 +69,12 @@ elif [ "$PART" = wgmma ]; then
     --points qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096
   step bench_wgmma 220 python3 -m moe_ext.bench --tokens 1024,4096 --modes w4a16 --finalize fused --iters 20 \
     --max-seconds-per-point 1.5 --out "$OUT/h200_wgmma.json"
+elif [ "$PART" = tile_choice ]; then
+  points=deepseek-v3:1024,gpt-oss-120b:1024,deepseek-v3-ep8:512,qwen3-30b-a3b:512,mixtral-8x7b:256
+  step profile_default 80 python3 benchmarks/profile_kernels.py --points $points
+  step profile_wgmma128 80 python3 benchmarks/profile_kernels.py --points $points --tactic 128,0,0
+  step bench_16k 150 python3 -m moe_ext.bench --tokens 16384 --modes w4a16 --finalize fused --iters 10 \
+    --max-seconds-per-point 1.5 --out "$OUT/h200_wgmma_16k.json"
 elif [ "$PART" = examples ]; then
   step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/memcheck_smoke.py
   step serving_loop 60 python3 examples/serving_loop.py --steps 50
