@@ -259,12 +259,16 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     K split: the CTAs one GEMM would launch (expected live tiles under uniform routing x N / 128) are doubled by
     splitting K across a cluster while they still fit one per SM, so a decode step with few experts hit still
     streams from every SM.
-    A GEMM on 128-token tiles with no split runs its wgmma kernel where it is linked (the prototype GEMM1 ran at
-    1.8x the streaming one at T = 4096, benchmarks/results/h200_session4_checks.md).
+    With the wgmma kernels linked, every shape whose experts average 16+ rows takes them on 128-token tiles (a
+    GEMM that would split K keeps the streaming kernel): at 16-64 rows per expert they beat the best streaming tile
+    by 1.16-1.61x despite the padding rows, and by 1.57-1.73x at T = 4096
+    (benchmarks/results/h200_session4_checks.md).
     """
     local_slots = num_tokens * top_k * num_local_experts / max(1, num_experts)
     per_expert = local_slots / max(1, num_local_experts)
     tile = min(tiles) if per_expert <= 16 else max(t for t in tiles if t <= max(64, per_expert))
+    if wgmma and per_expert >= 16:
+        tile = WGMMA_TILE
     # Live tiles: the expected experts hit with 50% margin (a split that overshoots one wave costs more than one
     # that undershoots gains), never more than the slots that can be local.
     hit = expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts)

@@ -112,5 +112,9 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132, wgmma=True) == (128, W, W)
     assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, tiles, 132, wgmma=True) == (128, W, W)
     assert launcher.default_tactic(1, 8, 256, 32, 4096, 7168, tiles, 132, wgmma=True) == (8, 2, 1)
+    # ... and from 16 rows per expert on (measured faster than the streaming tiles there).
+    assert launcher.default_tactic(1024, 8, 256, 256, 4096, 7168, tiles, 132, wgmma=True) == (128, W, W)
+    assert launcher.default_tactic(512, 8, 256, 32, 4096, 7168, tiles, 132, wgmma=True) == (128, W, W)
+    assert launcher.default_tactic(256, 8, 256, 32, 4096, 7168, tiles, 132, wgmma=True)[0] == 8
     added = set(launcher.tactics(tiles, wgmma=True)) - set(launcher.tactics(tiles))
     assert added == {(128, a, b) for a in launcher.K_SPLITS + (W,) for b in launcher.K_SPLITS + (W,) if W in (a, b)}
