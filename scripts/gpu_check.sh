@@ -3,7 +3,6 @@
 #   tests:     install, every test (GPU ones included)
 #   kernels:   the Hopper kernel tests only (tests/test_hopper_kernels.py); rest: every other test but EP
 #   ep:        (2 GPUs) the expert-parallel tests on NCCL, the torchrun example; bench_ep: 1- vs 2-GPU benchmark
-#   prefill:   (carry .offline too) JIT-test the wgmma prefill prototype in wip/wgmma_prefill
 #   wgmma:     the w4a16 / localized / tactic tests (they add the wgmma tactics), memcheck, profile, benchmark
 #   tile_choice: per-kernel times of the default tactic vs (128, wgmma, wgmma) where experts get 16-64 rows; T=16384
 #   examples:  install, memcheck of every kernel, the examples, host overhead, fused vs deterministic finalize
@@ -52,12 +51,6 @@ elif [ "$PART" = bench_ep ]; then
     --tokens 64,128,1024,2048,8192,16384 --out "$OUT/h200x2_expert_parallel.json"
   step bench_ep2 150 torchrun --nproc_per_node=2 benchmarks/bench_expert_parallel.py --tokens 64,1024,8192 \
     --out "$OUT/h200x2_expert_parallel.json"
-elif [ "$PART" = prefill ]; then
-  tar xJf .offline/cutedsl-4.8.1-py312.tar.xz -C /tmp
-  step prefill 240 bash -c ". /tmp/cutedsl-4.8.1-py312/env.sh && python3 wip/wgmma_prefill/gpu_test_prefill_gemm1.py \
-    --deadline 220 --out $OUT/prefill.json"
-  step prefill_lag0 100 bash -c ". /tmp/cutedsl-4.8.1-py312/env.sh && python3 wip/wgmma_prefill/gpu_test_prefill_gemm1.py \
-    --deadline 90 --lag 0 --skip-old --shapes qwen3,mixtral --out $OUT/prefill_lag0.json"
 elif [ "$PART" = wgmma ]; then
   step pytest_wgmma 300 python3 -m pytest -q -p no:cacheprovider tests/test_hopper_kernels.py tests/test_localized.py \
     tests/test_tuning.py -k "w4a16 or wgmma or localized or tactic" -rs
