@@ -112,3 +112,8 @@ def test_localized_shard_checks():
         moe_ext.cute_dsl_fused_moe(**case.kwargs(localized_weights=shards, localized_streams=[None]))
     with pytest.raises(ValueError, match="localized_sm_count must be >= 1"):
         moe_ext.cute_dsl_fused_moe(**case.kwargs(localized_weights=shards, localized_sm_count=0))
+    with pytest.raises(ValueError, match="exactly 2 equal-width shards, got 3"):  # an odd shard count
+        moe_ext.cute_dsl_fused_moe(**case.kwargs(localized_weights=[*shards, shards[0]]))
+    elsewhere = [{**shards[0], "w1_weight": shards[0]["w1_weight"].to("meta")}, shards[1]]
+    with pytest.raises(ValueError, match=r"localized_weights\[0\].w1_weight must be on cpu"):
+        moe_ext.cute_dsl_fused_moe(**case.kwargs(localized_weights=elsewhere))
