@@ -27,7 +27,11 @@ def run_oracle(case, fused):
 
 def assert_matches_oracle(out, expected):
     """fp32 (reference) and fp64 (oracle) sums differ in the last bits; rarely that moves a value across a
-    rounding point of the FC2-input quantizer and flips one code. A wrong formula gives errors of order one."""
+    rounding point of the FC2-input quantizer and flips one code. A wrong formula gives errors of order one.
+    Checked case: 2 of 1000 seeds of w4a4_pt-relu2-fused-EP(4,2) exceed the bound (870: 9.8e-3). In seed 870 exactly
+    one of token 3's 128 FC2-input values rounds to another bf16 in fp32 than in fp64, its e2m1 code moves one step
+    (a third of the value), and every other output row matches exactly; with 7 tokens and sparse Relu2 rows that
+    one code is 1% of the output's norm. The seeds below avoid such draws; the bound stays."""
     out = out.double()
     assert torch.isfinite(out).all()
     rel = (out - expected).norm() / expected.norm().clamp_min(1e-30)
