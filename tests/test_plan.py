@@ -142,7 +142,7 @@ class FakeForkJoin:
         self.log.append(("join", [], [], False))
 
 
-def fake_forward(monkeypatch, mode, fused, shards=False, aux=False, per_token=False):
+def fake_forward(monkeypatch, mode, fused, shards=False, aux=False, per_token=False, tile=8, k_splits=(1, 2)):
     """launcher.forward on CPU tensors with the C++ module, streams and events faked: (recorded steps, log of
     what the module saw, kwargs, out)."""
     from moe_ext.problem import build_problem
@@ -161,11 +161,11 @@ def fake_forward(monkeypatch, mode, fused, shards=False, aux=False, per_token=Fa
     if shards:
         kw["localized_weights"] = moe_ext.split_localized_shards(case.prepared)
     problem = build_problem(**kw)
-    routing = launcher.allocate_routing(5, 2, 8, 8, "cpu")
+    routing = launcher.allocate_routing(5, 2, 8, tile, "cpu")
     buffers = launcher.KernelBuffers.allocate(mode, routing.permuted_to_expanded.numel(), 256, 10, 256, "cpu")
     out = torch.empty(5, 256, dtype=torch.bfloat16)
     with launcher.recording() as recorded:
-        launcher.forward(problem, routing, buffers, out, True, (1, 2),
+        launcher.forward(problem, routing, buffers, out, True, k_splits,
                          aux=FakeForkJoin(fake.calls, [7]) if aux else None,
                          shard_streams=FakeForkJoin(fake.calls, [11, 12]) if shards else None)
     return recorded, fake.calls, kw, out
@@ -232,3 +232,17 @@ def test_localized_forward_runs_each_shard_on_its_stream_with_column_offsets(mon
     plan = ForwardPlan.from_recording(recorded, (), {r: kw.get(r) for r in ROLES}, out, 0)
     assert plan.run({r: kw.get(r) for r in ROLES}) is out
     assert [s for n, s in streams_seen if n.startswith("moe_gemm")] == [11, 12, 11, 12]
+
+
+@pytest.mark.parametrize("k_splits", [(0, 0), (0, 2), (4, 0)])
+def test_a_wgmma_split_launches_that_gemms_wgmma_kernel_unsplit(monkeypatch, k_splits):
+    """Split launcher.WGMMA (0) picks the GEMM's warp-specialised kernel, which is passed K split 1."""
+    _, calls, _, _ = fake_forward(monkeypatch, "w4a16", False, tile=launcher.WGMMA_TILE, k_splits=k_splits)
+    gemm1 = next(c for c in calls if c[0].startswith("moe_gemm1"))
+    gemm2 = next(c for c in calls if c[0].startswith("moe_gemm2"))
+    for call, split, name in ((gemm1, k_splits[0], "moe_gemm1_w4a16_swiglu_t128"), (gemm2, k_splits[1],
+                                                                                   "moe_gemm2_w4a16_t128")):
+        wgmma = split == launcher.WGMMA
+        assert call[0] == name + ("_wgmma" if wgmma else "")
+        assert call[2][-1] == (1 if wgmma else split)  # the kernels' last scalar is the K split
+
