@@ -1,7 +1,7 @@
 """Roofline plot of `moe_ext.bench` results: achieved TFLOP/s against arithmetic intensity (FLOPs per byte moved),
 under the H200's two ceilings, one colour per implementation and one marker per shape.
 
-    python benchmarks/plot_roofline.py RESULTS.json [--out roofline.png]
+    python benchmarks/plot_roofline.py RESULTS.json [MORE.json ...] [--out roofline.png]
 
 matplotlib is an optional dependency (`pip install matplotlib`); without it the plot is refused with that advice.
 """
@@ -80,13 +80,13 @@ def plot_roofline(records: list[dict], out_path: str | Path, title: str | None =
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Roofline PNG from a moe_ext.bench JSON file")
-    parser.add_argument("results", help="JSON list written by python -m moe_ext.bench")
-    parser.add_argument("--out", help="PNG path (default: the JSON path with .png)")
+    parser.add_argument("results", nargs="+", help="JSON lists written by python -m moe_ext.bench (plotted together)")
+    parser.add_argument("--out", help="PNG path (default: the first JSON path with .png)")
     parser.add_argument("--title")
     args = parser.parse_args(argv)
-    out = args.out or str(Path(args.results).with_suffix(".png"))
+    out = args.out or str(Path(args.results[0]).with_suffix(".png"))
     try:
-        records = json.loads(Path(args.results).read_text())
+        records = [r for path in args.results for r in json.loads(Path(path).read_text())]
         print(plot_roofline(records, out, args.title))
     except (MatplotlibMissing, ValueError, OSError) as exc:
         print(f"plot_roofline: {exc}", file=sys.stderr)

@@ -363,6 +363,11 @@ def test_plot_writes_a_png(tmp_path):
     assert (tmp_path / "roof.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bench.write_plot(json.loads(results.read_text()), str(tmp_path / "from_bench.png"))  # what --plot does
     assert (tmp_path / "from_bench.png").stat().st_size > 0
+    # Several result files are plotted together; without --out the PNG goes next to the first.
+    other = tmp_path / "more.json"
+    other.write_text(results.read_text())
+    assert bench_plot.main([str(results), str(other)]) == 0
+    assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch, capsys):
