@@ -63,6 +63,12 @@ class HopperBackend:
                           f"I={problem.intermediate_size}); this layer runs on the PyTorch reference path",
                           stacklevel=3)
             return False
+        if problem.shards is not None and (problem.n1 // len(problem.shards)) % 128:
+            # The GEMMs take whole 128-row weight tiles: a Relu2 shard holds I / 2 rows of W1.
+            warnings.warn(f"the sm_90a kernels need each localized shard's {problem.n1 // len(problem.shards)} W1 "
+                          f"rows to be a multiple of 128 (Relu2 shards: I % 256 == 0, I={problem.intermediate_size}); "
+                          "this layer runs on the PyTorch reference path", stacklevel=3)
+            return False
         return True
 
     @staticmethod

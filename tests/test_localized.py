@@ -158,3 +158,22 @@ def test_allow_nonlocalized_offers_the_full_width_path_as_tactics(monkeypatch):
     HOPPER.run(both, base[0] + (0,), torch.empty(7, 256, dtype=torch.bfloat16))
     HOPPER.run(both, base[0] + (1,), torch.empty(7, 256, dtype=torch.bfloat16))
     assert seen[0] is None and seen[1] is not None
+
+
+def test_relu2_shards_of_partial_weight_tiles_run_on_the_reference(monkeypatch):
+    """The GEMMs take whole 128-row weight tiles. A Relu2 shard holds I / 2 rows of W1, so with I = 384 a user's
+    own 192-row shards (valid in the format; split_localized_shards only makes 128-row multiples) would leave 64
+    rows unwritten on the kernels: such a layer warns and runs on the reference path."""
+    import dataclasses
+
+    from moe_ext import launcher
+    from moe_ext.backends import HOPPER
+    from moe_ext.problem import build_problem
+
+    monkeypatch.setattr(launcher, "hopper_device", lambda device: True)
+    monkeypatch.setattr(launcher, "token_tiles", lambda mode, kind: (8,))
+    case = make_case("w4a16", "relu2", num_tokens=3, hidden=256, inter=512)
+    problem = build_problem(**case.kwargs(localized_weights=moe_ext.split_localized_shards(case.prepared)))
+    assert HOPPER.supports(problem)  # 256-row shards
+    with pytest.warns(UserWarning, match="multiple of 128"):
+        assert not HOPPER.supports(dataclasses.replace(problem, intermediate_size=384))  # the supports() check only
