@@ -203,8 +203,8 @@ def decode_b_stage(cfg: WgmmaConfig, ring: RawRing, r2s_atom, tBsB, slot, stage)
 
 
 @cute.jit
-def produce(cfg: cutlass.Constexpr, pipe, sA, sB, raw_codes: Int32, raw_scales: Int32, ptid, a_base: Int64, a_row_offset: cutlass.Constexpr,
-            w, w_sf, expert, first_row, rows_per_expert, k_extent):
+def produce(cfg: cutlass.Constexpr, pipe, sA, sB, raw_codes: Int32, raw_scales: Int32, ptid, a_base: Int64,
+            a_row_offset: cutlass.Constexpr, w, w_sf, expert, first_row, rows_per_expert, k_extent):
     """Warpgroup 0 over all K stages. A row m of the tile starts `a_row_offset(m)` bytes past `a_base` (bf16,
     16-byte aligned rows); the weight rows are [first_row, first_row + 128) of `expert` in the 4-bit `w` of
     `rows_per_expert` rows and K = k_extent, NVFP4 scales `w_sf`."""
