@@ -355,8 +355,9 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     k_splits: the cluster K split of GEMM1 and GEMM2 (K_SPLITS, or WGMMA for the wgmma kernel). Fused finalize:
     `out` is zeroed (on the `aux` ForkJoin's stream, overlapping GEMM1, or in order on the current stream without
     one) and GEMM2 adds each router-weighted row into it; deterministic: GEMM2 writes per-slot rows and the
-    finalize kernel sums them. Localized shards (problem.shards): FC1 of each shard writes its half of the intermediate columns, FC2 of each
-    its half of the output columns, on the `shard_streams` ForkJoin's streams (or one after the other)."""
+    finalize kernel sums them. Localized shards (problem.shards): FC1 of each shard writes its half of the
+    intermediate columns, FC2 of each its half of the output columns, on the `shard_streams` ForkJoin's streams
+    (or one after the other)."""
     device = problem.device
     T, K, H, I, E = (problem.num_tokens, problem.top_k, problem.hidden_size, problem.intermediate_size,
                      problem.num_local_experts)
