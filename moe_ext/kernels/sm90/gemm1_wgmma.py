@@ -41,17 +41,27 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig = mainloop.DEFAU
                            sB_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         tile, n_tile, _ = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // 128)
         cute.arch.griddepcontrol_wait()
         if tile < num_live_tiles[0]:
             expert = tile_to_expert[tile]
             limit = tile_to_mn_limit[tile]
             row0 = tile * cfg.bm
+            sA, sB, s_c, raw_codes, raw_scales, pipe = mainloop.allocate(cfg, sA_layout, sB_layout)
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(cfg.producer_regs)
 
-            def token_row_offset(m):
-                token = permuted_to_expanded[cute.math.min(row0 + m, limit - 1)] // top_k
-                return Int64(token) * Int64(hidden) * Int64(2)
+                def token_row_offset(m):
+                    token = permuted_to_expanded[cute.math.min(row0 + m, limit - 1)] // top_k
+                    return Int64(token) * Int64(hidden) * Int64(2)
 
-            def epilogue(s_c, r, half):
+                mainloop.produce(cfg, pipe, sA, sB, raw_codes, raw_scales, tidx, x_bf16.iterator.toint(),
+                                 token_row_offset, w1, w1_sf, expert, n_tile * cfg.bn, n1, hidden)
+            else:
+                cute.arch.setmaxregister_increase(cfg.consumer_regs)
+                ctid = tidx - mainloop.PRODUCERS
+                mainloop.consume(cfg, pipe, sA, sB, s_c, tiled_mma, wg, ctid, hidden)
+                r, half = mainloop.epilogue_thread(ctid)
                 row = row0 + r
                 if row < limit:
                     s1 = w1_alpha[expert]
@@ -76,9 +86,6 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig = mainloop.DEFAU
                                                                (p0, p1, p2, p3)))
                             packed += [ptx.pack_bf16x2(h[0], h[1]), ptx.pack_bf16x2(h[2], h[3])]
                         ptx.st_global_v4(out_addr + Int64(16 * v), *packed)
-
-            mainloop.run_tile(cfg, tiled_mma, sA_layout, sB_layout, tidx, n_tile, x_bf16.iterator.toint(),
-                              token_row_offset, w1, w1_sf, expert, n1, hidden, epilogue)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit

@@ -38,16 +38,26 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig = mainloop.DEFAULT):
                            sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         tile, n_tile, _ = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // 128)
         cute.arch.griddepcontrol_wait()
         if tile < num_live_tiles[0]:
             expert = tile_to_expert[tile]
             limit = tile_to_mn_limit[tile]
             row0 = tile * cfg.bm
+            sA, sB, s_c, raw_codes, raw_scales, pipe = mainloop.allocate(cfg, sA_layout, sB_layout)
+            if wg == 0:
+                cute.arch.setmaxregister_decrease(cfg.producer_regs)
 
-            def permuted_row_offset(m):
-                return Int64(cute.math.min(row0 + m, limit - 1)) * Int64(inter) * Int64(2)
+                def permuted_row_offset(m):
+                    return Int64(cute.math.min(row0 + m, limit - 1)) * Int64(inter) * Int64(2)
 
-            def epilogue(s_c, r, half):
+                mainloop.produce(cfg, pipe, sA, sB, raw_codes, raw_scales, tidx, a_bf16.iterator.toint(),
+                                 permuted_row_offset, w2, w2_sf, expert, n_tile * cfg.bn, hidden, inter)
+            else:
+                cute.arch.setmaxregister_increase(cfg.consumer_regs)
+                ctid = tidx - mainloop.PRODUCERS
+                mainloop.consume(cfg, pipe, sA, sB, s_c, tiled_mma, wg, ctid, inter)
+                r, half = mainloop.epilogue_thread(ctid)
                 row = row0 + r
                 if row < limit:
                     slot = permuted_to_expanded[row]
@@ -69,9 +79,6 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig = mainloop.DEFAULT):
                         gemm2.write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
                     else:
                         gemm2.write_words(address, words, ptx.st_global_v4, ptx.st_global_b32)
-
-            mainloop.run_tile(cfg, tiled_mma, sA_layout, sB_layout, tidx, n_tile, a_bf16.iterator.toint(),
-                              permuted_row_offset, w2, w2_sf, expert, hidden, inter, epilogue)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit

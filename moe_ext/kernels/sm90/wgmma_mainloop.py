@@ -276,25 +276,6 @@ def consume(cfg: cutlass.Constexpr, pipe, sA, sB, s_c, tiled_mma: cute.TiledMma,
     pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMERS).arrive_and_wait()
 
 
-@cute.jit
-def run_tile(cfg: cutlass.Constexpr, tiled_mma: cute.TiledMma, sA_layout, sB_layout, tidx, n_tile, a_base: Int64,
-             a_row_offset: cutlass.Constexpr, w, w_sf, expert, rows_per_expert, k_extent, epilogue: cutlass.Constexpr):
-    """One live CTA: shared memory and pipeline, the producer warpgroup over all K stages, the consumers' MMAs and
-    then `epilogue(s_c, r, half)` on each consumer thread's (tile row, half) of the staged accumulator tile."""
-    sA, sB, s_c, raw_codes, raw_scales, pipe = allocate(cfg, sA_layout, sB_layout)
-    wg = cute.arch.make_warp_uniform(tidx // 128)
-    if wg == 0:
-        cute.arch.setmaxregister_decrease(cfg.producer_regs)
-        produce(cfg, pipe, sA, sB, raw_codes, raw_scales, tidx, a_base, a_row_offset, w, w_sf, expert,
-                n_tile * cfg.bn, rows_per_expert, k_extent)
-    else:
-        cute.arch.setmaxregister_increase(cfg.consumer_regs)
-        ctid = tidx - PRODUCERS
-        consume(cfg, pipe, sA, sB, s_c, tiled_mma, wg, ctid, k_extent)
-        r, half = epilogue_thread(ctid)
-        epilogue(s_c, r, half)
-
-
 def epilogue_thread(ctid):
     """(tile row, half) of a consumer thread in the epilogue: lanes 0-15 of a warp take 16 consecutive rows'
     first halves, lanes 16-31 their second halves, so 8 lanes of one 16-byte shared load read 8 different rows."""
