@@ -124,3 +124,39 @@ def replays_with_new_inputs(wrapper, case, fused, steps=100):
         eager = moe_ext.cute_dsl_fused_moe(**{**case.kwargs(use_fused_finalize=fused), **new})
         torch.cuda.synchronize()
         yield step, captured, eager
+
+
+# ---- gates and grid of the kernel tests (issue 3 §4), shared with scripts/correctness_grid.py ----------------------
+
+TOLERANCE = {"w4a16": 5e-3, "w4a4": 2e-2, "w4a4_pt": 2e-2, "w4a8": 2e-2}  # relative L2 vs the reference
+ACTS = ["swiglu", "swiglu_oai", "situ", "situ_linear", "geglu_tanh", "relu2"]
+# quant modes (w4a4 also with per_token_scale) x activations x finalize x EP (1; 8 with first, middle, last rank)
+# x T x top_k x (H, I)
+GRID_FACTORS = dict(
+    mode=["w4a16", "w4a4", "w4a4_pt", "w4a8"], act=ACTS, fused=[True, False],
+    ep=[(1, 0), (8, 0), (8, 3), (8, 7)], tokens=[1, 7, 128, 515, 4096], top_k=[1, 2, 8],
+    shape=[(256, 512), (1024, 2048), (2048, 768), (4096, 1536), (7168, 2048)])
+
+
+def grid_allowed(case: dict) -> bool:
+    if case.get("mode") == "w4a8" and "situ" in case.get("act", ""):
+        return False  # SiTU is rejected for w4a8 (semantics §1.1)
+    return True
+
+
+def rel_l2(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def fused_reference(problem):
+    """The fused finalize's order-free value: the exact sum of the bf16 contributions, rounded once. The kernels add
+    them with bf16 atomics in whatever order the CTAs finish and the reference in slot order; each order is a
+    different bf16 rounding of this sum, so the gate measures every order against it."""
+    from moe_ext.reference import expert_outputs
+    from moe_ext.routing import compute_routing
+
+    routing = compute_routing(problem.token_selected_experts, problem.num_local_experts,
+                              problem.local_expert_offset, problem.tile_size)
+    y, valid = expert_outputs(problem, routing)
+    return (y.float() * valid[..., None]).sum(1).to(torch.bfloat16)
+

@@ -7,7 +7,8 @@ kernels' fast ex2/rcp and their summation order can move an FC2-input value acro
 
 import pytest
 import torch
-from conftest import gpu, make_case, replays_with_new_inputs
+from conftest import (ACTS, GRID_FACTORS, TOLERANCE, fused_reference, gpu, grid_allowed, make_case, rel_l2,
+                      replays_with_new_inputs)
 
 import moe_ext
 from moe_ext import launcher
@@ -20,26 +21,6 @@ pytestmark = [
     pytest.mark.skipif(not (torch.cuda.is_available() and launcher.hopper_device(torch.device("cuda"))
                             and launcher.has_kernel("moe_gemm2_w4a16_t8")), reason="needs sm_90 and the kernels"),
 ]
-
-
-def rel_l2(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
-TOLERANCE = {"w4a16": 5e-3, "w4a4": 2e-2, "w4a4_pt": 2e-2, "w4a8": 2e-2}
-
-
-def fused_reference(problem):
-    """The fused finalize's order-free value: the exact sum of the bf16 contributions, rounded once. The kernels add
-    them with bf16 atomics in whatever order the CTAs finish and the reference in slot order; each order is a
-    different bf16 rounding of this sum, so the gate measures every order against it."""
-    from moe_ext.reference import expert_outputs
-    from moe_ext.routing import compute_routing
-
-    routing = compute_routing(problem.token_selected_experts, problem.num_local_experts,
-                              problem.local_expert_offset, problem.tile_size)
-    y, valid = expert_outputs(problem, routing)
-    return (y.float() * valid[..., None]).sum(1).to(torch.bfloat16)
 
 
 def check_against_reference(case, fused, every_tile=True, **over):
@@ -69,7 +50,6 @@ def check_against_reference(case, fused, every_tile=True, **over):
     return outs[0]
 
 
-ACTS = ["swiglu", "swiglu_oai", "situ", "situ_linear", "geglu_tanh", "relu2"]
 GRID = [(m, a) for m in ("w4a16", "w4a4", "w4a4_pt", "w4a8") for a in ACTS if not (m == "w4a8" and "situ" in a)]
 
 
@@ -226,21 +206,9 @@ def pairwise_cases(factors: dict, allowed) -> list[dict]:
     return cases
 
 
-# The correctness grid of issue 3: quant modes (w4a4 also with per_token_scale) x activations x finalize x EP
-# (1; 8 with first, middle, last rank) x T x top_k x (H, I), covered pairwise.
-GRID_FACTORS = dict(
-    mode=["w4a16", "w4a4", "w4a4_pt", "w4a8"], act=ACTS, fused=[True, False],
-    ep=[(1, 0), (8, 0), (8, 3), (8, 7)], tokens=[1, 7, 128, 515, 4096], top_k=[1, 2, 8],
-    shape=[(256, 512), (1024, 2048), (2048, 768), (4096, 1536), (7168, 2048)])
-
-
-def _grid_allowed(case: dict) -> bool:
-    if case.get("mode") == "w4a8" and "situ" in case.get("act", ""):
-        return False  # SiTU is rejected for w4a8 (semantics §1.1)
-    return True
-
-
-PAIRWISE = pairwise_cases(GRID_FACTORS, _grid_allowed)
+# The correctness grid of issue 3 (conftest.GRID_FACTORS), covered pairwise here; scripts/correctness_grid.py runs
+# all of it.
+PAIRWISE = pairwise_cases(GRID_FACTORS, grid_allowed)
 
 
 @pytest.mark.parametrize("grid", PAIRWISE, ids=lambda c: "-".join(str(v) for v in c.values()))

@@ -1,7 +1,7 @@
 """Localized (two-shard) execution: equal to the full-width path, and it never reads the full-width weights."""
 import pytest
 import torch
-from conftest import make_case, replays_with_new_inputs
+from conftest import make_case, rel_l2, replays_with_new_inputs
 
 import moe_ext
 
@@ -57,10 +57,6 @@ def domains():
     from moe_ext.streams import LocalityDomains
 
     return LocalityDomains.create("cuda")
-
-
-def rel_l2(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
 @hopper
