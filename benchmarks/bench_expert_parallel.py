@@ -82,11 +82,9 @@ def time_forward(forward, timing: str, warmup: int, iters: int, cuda: bool) -> l
 
 def one_process_moe(weights: PreparedWeights, shape: bench.Shape, act_kwargs: dict, activation, ids, scales):
     """All experts on this process: the fused MoE with no exchange."""
-    w = weights
-    return cute_dsl_fused_moe(activation.x, activation.x_sf, ids, scales, w.w1_weight, w.w1_weight_sf, w.w1_alpha,
-                              w.fc2_input_scale, w.w2_weight, w.w2_weight_sf, w.w2_alpha, shape.num_experts,
-                              shape.top_k, shape.num_experts, 0, quant_mode=w.quant_mode,
-                              activation_type=w.activation_type, **act_kwargs)
+    return cute_dsl_fused_moe(**activation.kwargs(), token_selected_experts=ids, token_final_scales=scales,
+                              num_experts=shape.num_experts, top_k=shape.top_k, num_local_experts=shape.num_experts,
+                              local_expert_offset=0, **weights.kwargs(), **act_kwargs)
 
 
 def main() -> None:
