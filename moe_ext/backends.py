@@ -48,7 +48,7 @@ class HopperBackend:
     quantizer (w4a4 with per_token_scale), GEMM2, finalize. A tactic is (routing tile, GEMM1 K split, GEMM2 K
     split): tokens per CTA of the streaming GEMMs (a tile the kernels were compiled for) and how many CTAs of a
     cluster share each GEMM tile's K steps; split launcher.WGMMA (0) runs that GEMM's warp-specialised wgmma kernel
-    instead (128-token tile, bf16 activations)."""
+    instead (128-token tile; in the quantized modes both GEMMs or neither)."""
 
     name: str = "sm90"
 
@@ -92,7 +92,7 @@ class HopperBackend:
     def tactics(self, problem: MoEProblem) -> list[Tactic]:
         from . import launcher
 
-        base = launcher.tactics(self._tiles(problem), self._wgmma(problem))
+        base = launcher.tactics(self._tiles(problem), self._wgmma(problem), problem.kernel_mode == "w4a16")
         if self._both_widths(problem):
             return [t + (1,) for t in base] + [t + (0,) for t in base]
         return base
@@ -108,7 +108,7 @@ class HopperBackend:
         tactic = launcher.default_tactic(problem.num_tokens, problem.top_k, problem.num_experts,
                                          problem.num_local_experts, problem.n1 // parts,
                                          problem.hidden_size // parts, self._tiles(problem), sms,
-                                         self._wgmma(problem))
+                                         self._wgmma(problem), problem.kernel_mode == "w4a16")
         return tactic + (1,) if self._both_widths(problem) else tactic
 
     def run(self, problem: MoEProblem, tactic: Tactic, out: torch.Tensor,
@@ -123,11 +123,11 @@ class HopperBackend:
         if workspace is not None and tile in workspace.tile_sizes:
             routing = workspace.routing_buffers(T, tile)
             buffers = workspace.kernel_buffers.view(problem.quant_mode, routing.permuted_to_expanded.numel(),
-                                                    problem.intermediate_size, T * K, problem.hidden_size)
+                                                    problem.intermediate_size, T, K, problem.hidden_size)
         else:
             routing = launcher.allocate_routing(T, K, problem.num_local_experts, tile, problem.device)
             buffers = launcher.KernelBuffers.allocate(problem.quant_mode, routing.permuted_to_expanded.numel(),
-                                                      problem.intermediate_size, T * K, problem.hidden_size,
+                                                      problem.intermediate_size, T, K, problem.hidden_size,
                                                       problem.device)
         memset_stream = problem.localized_memset_stream if problem.shards is not None else problem.aux_stream
         aux = streams.fork_join([memset_stream]) if memset_stream is not None else None

@@ -182,8 +182,10 @@ def _weight_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def route(token_selected_experts: torch.Tensor, num_local_experts: int, local_expert_offset: int,
-          out: Routing, enable_pdl: bool = True) -> Routing:
-    """Fill `out` (sized by allocate_routing or a workspace) with the routing maps, on the current stream."""
+          out: Routing, enable_pdl: bool = True, decode: tuple | None = None) -> Routing:
+    """Fill `out` (sized by allocate_routing or a workspace) with the routing maps, on the current stream.
+    decode = (format, x, x_sf, x_out): the same launch also decodes the NVFP4 / MXFP8 activations (checked flat
+    views) into the bf16 x_out, for the wgmma GEMM1 (moe_ext/kernels/sm90/routing.py)."""
     ids = token_selected_experts
     device = ids.device
     if ids.dtype != torch.int32 or ids.dim() != 2 or device.type != "cuda":
@@ -205,7 +207,11 @@ def route(token_selected_experts: torch.Tensor, num_local_experts: int, local_ex
         _check("tile_to_mn_limit", out.tile_to_mn_limit, i32, device, tiles),
         _check("num_live_tiles", out.num_live_tiles, i32, device, 1),
     ]
-    launch("moe_routing", tensors, [num_local_experts, local_expert_offset, out.tile_size], enable_pdl, device)
+    name = "moe_routing"
+    if decode is not None:
+        name = f"moe_routing_decode_{decode[0]}"
+        tensors += list(decode[1:])
+    launch(name, tensors, [num_local_experts, local_expert_offset, out.tile_size], enable_pdl, device)
     return out
 
 ACTIVATION_KIND = {"swiglu": 0, "situ": 1, "geglu_tanh": 2, "relu2": 3}
@@ -222,9 +228,13 @@ def token_tiles(mode: str, kind: str) -> tuple:
 
 K_SPLITS = (1, 2, 4)  # CTAs of a cluster that share one GEMM tile's K steps (cluster split-K)
 # The "split" of a GEMM that selects its warp-specialised wgmma kernel (gemm1_wgmma.py, gemm2_wgmma.py):
-# 128-token tiles, bf16 activations, no K split.
+# 128-token tiles, bf16 operands, no K split. In the quantized modes the routing launch decodes the activations
+# to bf16 for it and GEMM1 stores the FC2 input's quantization decoded, so both GEMMs take wgmma or neither does.
 WGMMA = 0
 WGMMA_TILE = 128
+# The wgmma GEMM2 each kernel mode runs: w4a4's decoded FC2 input and NVFP4 weights are w4a16's.
+_WGMMA_GEMM2_MODE = {"w4a4": "w4a16"}
+X_FORMAT = {"w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}
 
 
 def gemm1_kernel(mode: str, kind: str, tile: int, split: int) -> str:
@@ -232,24 +242,38 @@ def gemm1_kernel(mode: str, kind: str, tile: int, split: int) -> str:
 
 
 def gemm2_kernel(mode: str, tile: int, split: int) -> str:
-    return f"moe_gemm2_{mode}_t{tile}" + ("_wgmma" if split == WGMMA else "")
+    if split == WGMMA:
+        return f"moe_gemm2_{_WGMMA_GEMM2_MODE.get(mode, mode)}_t{tile}_wgmma"
+    return f"moe_gemm2_{mode}_t{tile}"
 
 
 @functools.lru_cache(maxsize=None)
 def has_wgmma(mode: str, kind: str) -> bool:
-    """Whether both wgmma GEMMs and the 128-token tile's other kernels are linked for this mode and activation."""
+    """Whether the wgmma forward of this kernel mode and activation is linked: both wgmma GEMMs, the 128-token
+    tile's other kernels and, in the quantized modes, the decoding routing launch (and the per-token quantizer
+    that writes bf16)."""
+    extra = [] if mode == "w4a16" else [f"moe_routing_decode_{X_FORMAT[mode]}"]
+    if mode == "w4a4_pt":
+        extra.append("moe_fc2_quant_per_token_bf16")
     return (WGMMA_TILE in token_tiles(mode, kind) and has_kernel(gemm1_kernel(mode, kind, WGMMA_TILE, WGMMA))
-            and has_kernel(gemm2_kernel(mode, WGMMA_TILE, WGMMA)))
+            and has_kernel(gemm2_kernel(mode, WGMMA_TILE, WGMMA)) and all(has_kernel(n) for n in extra))
 
 
-def tactics(tiles: tuple, wgmma: bool = False) -> list[tuple]:
-    """Hopper tactics: (routing tile, GEMM1 K split or WGMMA, GEMM2 K split or WGMMA)."""
-    splits = {t: K_SPLITS + ((WGMMA,) if wgmma and t == WGMMA_TILE else ()) for t in tiles}
-    return [(t, s1, s2) for t in tiles for s1 in splits[t] for s2 in splits[t]]
+def tactics(tiles: tuple, wgmma: bool = False, mixed: bool = True) -> list[tuple]:
+    """Hopper tactics: (routing tile, GEMM1 K split or WGMMA, GEMM2 K split or WGMMA). mixed=False (the quantized
+    modes): WGMMA only as (WGMMA_TILE, WGMMA, WGMMA)."""
+    out = [(t, s1, s2) for t in tiles for s1 in K_SPLITS for s2 in K_SPLITS]
+    if wgmma and WGMMA_TILE in tiles:
+        if mixed:
+            out += [(WGMMA_TILE, s1, s2) for s1 in K_SPLITS + (WGMMA,) for s2 in K_SPLITS + (WGMMA,)
+                    if WGMMA in (s1, s2)]
+        else:
+            out.append((WGMMA_TILE, WGMMA, WGMMA))
+    return out
 
 
 def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, n1: int, hidden: int,
-                   tiles: tuple, num_sms: int, wgmma: bool = False) -> tuple:
+                   tiles: tuple, num_sms: int, wgmma: bool = False, mixed: bool = True) -> tuple:
     """The heuristic for untuned shapes.
 
     Tile: the smallest while an expert gets about 16 rows or fewer on average (decode: weights stream once per
@@ -262,7 +286,8 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     With the wgmma kernels linked, every shape whose experts average 16+ rows takes them on 128-token tiles (a
     GEMM that would split K keeps the streaming kernel): at 16-64 rows per expert they beat the best streaming tile
     by 1.16-1.61x despite the padding rows, and by 1.57-1.73x at T = 4096
-    (benchmarks/results/h200_session4_checks.md).
+    (benchmarks/results/h200_session4_checks.md). In the quantized modes (mixed=False) the two GEMMs take wgmma
+    together, when neither would split K.
     """
     local_slots = num_tokens * top_k * num_local_experts / max(1, num_experts)
     per_expert = local_slots / max(1, num_local_experts)
@@ -279,7 +304,7 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
         return max(s for s in K_SPLITS if s == 1 or ctas * s <= num_sms)
 
     splits = (split(n1), split(hidden))
-    if wgmma and tile == WGMMA_TILE:
+    if wgmma and tile == WGMMA_TILE and (mixed or splits == (1, 1)):
         splits = tuple(WGMMA if s == 1 else s for s in splits)
     return (tile, *splits)
 
@@ -305,9 +330,11 @@ def activation_params(activation) -> tuple[float, float, float, float]:
 
 @dataclass
 class KernelBuffers:
-    """Scratch of one kernel forward, flat: FC2 input (bf16 and/or quantized + swizzled scales), per-row FC2
-    scales (per-token mode) and the per-slot expert outputs the finalize kernel combines."""
+    """Scratch of one kernel forward, flat: the activations decoded to bf16 (quantized modes on the wgmma GEMMs),
+    the FC2 input (bf16, and quantized + swizzled scales for the streaming GEMM2), per-row FC2 scales (per-token
+    mode) and the per-slot expert outputs the finalize kernel combines."""
 
+    x_decoded: torch.Tensor
     intermediate_bf16: torch.Tensor
     intermediate_q: torch.Tensor
     intermediate_sf: torch.Tensor
@@ -315,28 +342,30 @@ class KernelBuffers:
     slot_output: torch.Tensor
 
     @staticmethod
-    def sizes(quant_mode: str, rows: int, inter: int, slots: int, hidden: int) -> dict:
+    def sizes(quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int) -> dict:
         """Element counts of each buffer (0 where the mode does not use it)."""
         block = sf_block(quant_mode)
         quantized = quant_mode != "w4a16"
         return dict(
-            intermediate_bf16=rows * inter if quant_mode in ("w4a16", "w4a4") else 0,
+            x_decoded=tokens * hidden if quantized else 0,
+            intermediate_bf16=rows * inter,
             intermediate_q=(rows * inter if quant_mode == "w4a8" else rows * inter // 2) if quantized else 0,
             intermediate_sf=swizzled_size(1, rows, inter // block) if quantized else 0,
             row_scale=rows if quant_mode == "w4a4" else 0,
-            slot_output=slots * hidden,
+            slot_output=tokens * top_k * hidden,
         )
 
     @classmethod
-    def allocate(cls, quant_mode: str, rows: int, inter: int, slots: int, hidden: int, device) -> "KernelBuffers":
-        dtypes = dict(intermediate_bf16=torch.bfloat16, intermediate_q=torch.uint8, intermediate_sf=torch.uint8,
-                      row_scale=torch.float32, slot_output=torch.bfloat16)
+    def allocate(cls, quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int,
+                 device) -> "KernelBuffers":
+        dtypes = dict(x_decoded=torch.bfloat16, intermediate_bf16=torch.bfloat16, intermediate_q=torch.uint8,
+                      intermediate_sf=torch.uint8, row_scale=torch.float32, slot_output=torch.bfloat16)
         return cls(**{name: torch.empty(max(n, 1), dtype=dtypes[name], device=device)
-                      for name, n in cls.sizes(quant_mode, rows, inter, slots, hidden).items()})
+                      for name, n in cls.sizes(quant_mode, rows, inter, tokens, top_k, hidden).items()})
 
-    def view(self, quant_mode: str, rows: int, inter: int, slots: int, hidden: int) -> "KernelBuffers":
+    def view(self, quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int) -> "KernelBuffers":
         """The leading parts needed for a smaller problem (workspace buffers sized for the capacity)."""
-        sizes = self.sizes(quant_mode, rows, inter, slots, hidden)
+        sizes = self.sizes(quant_mode, rows, inter, tokens, top_k, hidden)
         return KernelBuffers(**{name: getattr(self, name)[:max(n, 1)] for name, n in sizes.items()})
 
 
@@ -366,15 +395,11 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     mode = problem.kernel_mode
     block = problem.sf_block
     fused = problem.use_fused_finalize
+    wgmma = k_splits[0] == WGMMA
+    if mode != "w4a16" and wgmma != (k_splits[1] == WGMMA):
+        raise ValueError(f"k_splits {k_splits}: in {mode} both GEMMs run the wgmma kernels or neither does")
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
     dummy = _dummies(device)
-    route(problem.token_selected_experts, E, problem.local_expert_offset, routing, enable_pdl)
-    rows = routing.permuted_to_expanded.numel()
-    sizes = KernelBuffers.sizes(problem.quant_mode, rows, I, T * K, H)
-    buf = {name: _check(name, getattr(buffers, name)[:n], getattr(buffers, name).dtype, device, n, 16) if n
-           else dummy[getattr(buffers, name).dtype] for name, n in sizes.items()}
-    maps = [routing.permuted_to_expanded, routing.tile_to_expert, routing.tile_to_mn_limit, routing.num_live_tiles]
-    fc2_scale = problem.fc2_input_scale if problem.fc2_input_scale is not None else dummy[f32]
     if problem.quant_mode == "w4a16":
         x_bf16, x_q, x_sf = _check("x", problem.x, bf16, device, T * H, 16), dummy[u8], dummy[u8]
     else:
@@ -382,6 +407,17 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
         x_bf16 = dummy[bf16]
         x_q = _check("x", x_bytes, u8, device, T * H // (2 if problem.quant_mode == "w4a4" else 1), 16)
         x_sf = _check("x_sf", problem.x_sf, u8, device, T * H // block)
+    rows = routing.permuted_to_expanded.numel()
+    sizes = KernelBuffers.sizes(problem.quant_mode, rows, I, T, K, H)
+    buf = {name: _check(name, getattr(buffers, name)[:n], getattr(buffers, name).dtype, device, n, 16) if n
+           else dummy[getattr(buffers, name).dtype] for name, n in sizes.items()}
+    decode = None
+    if wgmma and mode != "w4a16":  # the routing launch decodes x for the wgmma GEMM1
+        decode = (X_FORMAT[mode], x_q, x_sf, buf["x_decoded"])
+        x_bf16 = buf["x_decoded"]
+    route(problem.token_selected_experts, E, problem.local_expert_offset, routing, enable_pdl, decode=decode)
+    maps = [routing.permuted_to_expanded, routing.tile_to_expert, routing.tile_to_mn_limit, routing.num_live_tiles]
+    fc2_scale = problem.fc2_input_scale if problem.fc2_input_scale is not None else dummy[f32]
     pts = (_check("per_token_scale", problem.per_token_scale, f32, device, T) if problem.per_token_scale is not None
            else dummy[f32])
     scales = _check("token_final_scales", problem.token_final_scales, f32, device, T * K)
@@ -430,8 +466,8 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
             call(aux.fork)
             memset_async(out_flat, aux.streams[0])
     on_parts(gemm1)
-    if mode == "w4a4_pt":
-        launch("moe_fc2_quant_per_token", [buf["intermediate_bf16"], routing.permuted_to_expanded, fc2_scale,
+    if mode == "w4a4_pt":  # the wgmma GEMM2 reads the quantization decoded, in place of h
+        launch("moe_fc2_quant_per_token_bf16" if wgmma else "moe_fc2_quant_per_token", [buf["intermediate_bf16"], routing.permuted_to_expanded, fc2_scale,
                                            buf["intermediate_q"], buf["intermediate_sf"], buf["row_scale"]],
                [I], enable_pdl, device)
     if fused and aux is not None:

@@ -51,7 +51,7 @@ class MoEWorkspace:
             tile_to_expert=torch.empty(tiles, **i32),
             tile_to_mn_limit=torch.empty(tiles, **i32),
             num_live_tiles=torch.empty(1, **i32),
-            kernel_buffers=KernelBuffers.allocate(quant_mode, rows, intermediate_size, max_num_tokens * top_k,
+            kernel_buffers=KernelBuffers.allocate(quant_mode, rows, intermediate_size, max_num_tokens, top_k,
                                                   hidden_size, device),
             output=torch.empty(max_num_tokens, hidden_size, dtype=output_dtype, device=device),
         )

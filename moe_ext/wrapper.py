@@ -154,7 +154,8 @@ class CuteDslMoEWrapper:
         launcher.WGMMA runs that GEMM's wgmma kernel), on the reference path (routing tile,)."""
         if not self.on_hopper:
             return [(t,) for t in self.routing_tiles]
-        return launcher.tactics(self.routing_tiles, launcher.has_wgmma(self.quant_mode, self.activation.kind))
+        return launcher.tactics(self.routing_tiles, launcher.has_wgmma(self.quant_mode, self.activation.kind),
+                                mixed=self.quant_mode == "w4a16")
 
     def run(self, x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
             fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, tactic=None, *, per_token_scale=None):

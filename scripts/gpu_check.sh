@@ -4,6 +4,7 @@
 #   kernels:   the Hopper kernel tests only (tests/test_hopper_kernels.py); rest: every other test but EP
 #   ep:        (2 GPUs) the expert-parallel tests on NCCL, the torchrun example; bench_ep: 1- vs 2-GPU benchmark
 #   wgmma:     the w4a16 / localized / tactic tests (they add the wgmma tactics), memcheck, profile, benchmark
+#   quant_wgmma: the w4a4 / w4a8 reference checks (they add the wgmma tactic), memcheck, their wgmma benchmark
 #   grid:      the full issue-3 correctness grid (13,200 cases), shard $GRID_SHARD (K/N, default 0/1), 500 s at most
 #   tile_choice: per-kernel times of the default tactic vs (128, wgmma, wgmma) where experts get 16-64 rows; T=16384
 #   examples:  install, memcheck of every kernel, the examples, host overhead, fused vs deterministic finalize
@@ -63,6 +64,14 @@ elif [ "$PART" = wgmma ]; then
     --points qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096
   step bench_wgmma 220 python3 -m moe_ext.bench --tokens 1024,4096 --modes w4a16 --finalize fused --iters 20 \
     --max-seconds-per-point 1.5 --out "$OUT/h200_wgmma.json"
+elif [ "$PART" = quant_wgmma ]; then
+  step pytest_quant 330 python3 -m pytest -q -p no:cacheprovider tests/test_hopper_kernels.py -k "w4a4 or w4a8" -rs \
+    --maxfail=10
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_quant.log" | head -20 | tee -a "$OUT/summary.txt"
+  step bench_quant 200 python3 -m moe_ext.bench --tokens 4096 --modes w4a16,w4a4,w4a8 --finalize fused --iters 10 \
+    --impls moe_ext --max-seconds-per-point 1.5 --out "$OUT/h200_quant_wgmma.json"
+elif [ "$PART" = memcheck ]; then
+  step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/memcheck_smoke.py
 elif [ "$PART" = grid ]; then
   step grid 540 python3 scripts/correctness_grid.py --shard "${GRID_SHARD:-0/1}" --max-seconds 500 \
     --out "$OUT/correctness_grid.json"

@@ -35,8 +35,10 @@ def check_against_reference(case, fused, every_tile=True, **over):
     if not every_tile:  # the smallest tile unsplit and the largest split: both kernels' paths, half the runs
         chosen = [(tiles[0], 1, 1), (tiles[-1], 2, 4)]
     W = launcher.WGMMA
-    if (launcher.WGMMA_TILE, W, W) in HOPPER.tactics(problem):  # the wgmma GEMMs (w4a16), each and both
-        chosen += [(launcher.WGMMA_TILE, W, 1), (launcher.WGMMA_TILE, 2, W), (launcher.WGMMA_TILE, W, W)]
+    wgmma = [t for t in [(launcher.WGMMA_TILE, W, 1), (launcher.WGMMA_TILE, 2, W), (launcher.WGMMA_TILE, W, W)]
+             if t in HOPPER.tactics(problem)]  # the wgmma GEMMs: each and both (w4a16), both (quantized modes)
+    assert wgmma, "every mode links the wgmma GEMMs"
+    chosen += wgmma
     for tactic in chosen:
         poisoned = torch.full_like(expected, float("nan"))
         out = moe_ext.cute_dsl_fused_moe(**kw, moe_output=poisoned, tactic=tactic)

@@ -17,9 +17,11 @@ def test_every_shipped_kernel_compiles_for_sm90a(tmp_path):
         gemms += [f"moe_gemm1_{mode}_{kind}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
         gemms += [f"moe_gemm2_{mode}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")]
-    gemms += [f"moe_gemm1_w4a16_{kind}_t128_wgmma" for kind in ("swiglu", "situ", "geglu_tanh", "relu2")]
-    gemms += ["moe_gemm2_w4a16_t128_wgmma"]
-    assert names == ["moe_routing", *gemms, "moe_fc2_quant_per_token", "moe_finalize"]
+    gemms += [f"moe_gemm1_{mode}_{kind}_t128_wgmma" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
+              for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
+    gemms += [f"moe_gemm2_{mode}_t128_wgmma" for mode in ("w4a16", "w4a4_pt", "w4a8")]
+    assert names == ["moe_routing", *gemms, "moe_routing_decode_nvfp4", "moe_routing_decode_mxfp8",
+                     "moe_fc2_quant_per_token", "moe_fc2_quant_per_token_bf16", "moe_finalize"]
     table = (tmp_path / "kernel_table.inc").read_text()
     assert all(f'{{"{name}",' in table for name in names)
     for name in names:
@@ -36,7 +38,9 @@ def test_installed_launcher_links_the_kernels():
 
     linked = set(_C.kernels())
     assert {"moe_routing", "moe_gemm1_w4a4_swiglu_t8", "moe_gemm2_w4a8_t64", "moe_gemm1_w4a16_relu2_t128_wgmma",
-            "moe_gemm2_w4a16_t128_wgmma", "moe_fc2_quant_per_token", "moe_finalize"} <= linked
+            "moe_gemm2_w4a16_t128_wgmma", "moe_gemm1_w4a8_swiglu_t128_wgmma", "moe_gemm2_w4a4_pt_t128_wgmma",
+            "moe_routing_decode_mxfp8", "moe_fc2_quant_per_token", "moe_fc2_quant_per_token_bf16",
+            "moe_finalize"} <= linked
 
 
 def test_launcher_knows_the_compiled_token_tiles():

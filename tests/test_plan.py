@@ -151,9 +151,13 @@ def fake_forward(monkeypatch, mode, fused, shards=False, aux=False, per_token=Fa
     monkeypatch.setattr(launcher, "_module", lambda: fake)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(0))
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(launcher, "route", lambda ids, *a, **k: launcher.launch(
-        "moe_routing", [launcher._check("token_selected_experts", ids, torch.int32, ids.device)], [], True,
-        ids.device))
+
+    def fake_route(ids, *args, decode=None):  # the routing launch with its ids (and what it decodes), no maps
+        name = "moe_routing" if decode is None else f"moe_routing_decode_{decode[0]}"
+        tensors = [launcher._check("token_selected_experts", ids, torch.int32, ids.device), *(decode or ())[1:]]
+        launcher.launch(name, tensors, [], True, ids.device)
+
+    monkeypatch.setattr(launcher, "route", fake_route)
     case = make_case(mode, num_tokens=5, top_k=2, num_experts=8, hidden=256, inter=256)
     kw = case.kwargs(use_fused_finalize=fused)
     if per_token:
@@ -162,7 +166,7 @@ def fake_forward(monkeypatch, mode, fused, shards=False, aux=False, per_token=Fa
         kw["localized_weights"] = moe_ext.split_localized_shards(case.prepared)
     problem = build_problem(**kw)
     routing = launcher.allocate_routing(5, 2, 8, tile, "cpu")
-    buffers = launcher.KernelBuffers.allocate(mode, routing.permuted_to_expanded.numel(), 256, 10, 256, "cpu")
+    buffers = launcher.KernelBuffers.allocate(mode, routing.permuted_to_expanded.numel(), 256, 5, 2, 256, "cpu")
     out = torch.empty(5, 256, dtype=torch.bfloat16)
     with launcher.recording() as recorded:
         launcher.forward(problem, routing, buffers, out, True, k_splits,
@@ -246,3 +250,31 @@ def test_a_wgmma_split_launches_that_gemms_wgmma_kernel_unsplit(monkeypatch, k_s
         assert call[0] == name + ("_wgmma" if wgmma else "")
         assert call[2][-1] == (1 if wgmma else split)  # the kernels' last scalar is the K split
 
+
+
+@pytest.mark.parametrize("mode,per_token", [("w4a4", False), ("w4a4", True), ("w4a8", False)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_quantized_modes_on_wgmma_decode_x_in_the_routing_launch(monkeypatch, mode, per_token, fused):
+    """Quantized activations on the wgmma GEMMs: the routing launch also decodes x (the per-call x and x_sf go to
+    it) into the bf16 buffer GEMM1 reads, the per-token quantizer writes bf16, and no kernel node is added."""
+    W = launcher.WGMMA
+    recorded, calls, kw, out = fake_forward(monkeypatch, mode, fused, per_token=per_token, tile=launcher.WGMMA_TILE,
+                                            k_splits=(W, W))
+    launches = [step for step in recorded if isinstance(step, Launch)]
+    names = [step.name for step in launches]
+    kernel_mode = "w4a4_pt" if per_token else mode
+    expected = [f"moe_routing_decode_{launcher.X_FORMAT[kernel_mode]}",
+                f"moe_gemm1_{kernel_mode}_swiglu_t128_wgmma"]
+    expected += ["moe_fc2_quant_per_token_bf16"] if per_token else []
+    expected += [{"w4a4": "moe_gemm2_w4a16_t128_wgmma", "w4a4_pt": "moe_gemm2_w4a4_pt_t128_wgmma",
+                  "w4a8": "moe_gemm2_w4a8_t128_wgmma"}[kernel_mode]]
+    expected += [] if fused else ["moe_finalize"]
+    assert names == expected
+    assert len(names) <= 5
+    routing_roles = {role for _, role in launches[0].roles}
+    assert routing_roles == {"token_selected_experts", "x", "x_sf"}
+    decoded = launches[0].buffers[-1]
+    assert launches[1].buffers[0] == decoded, "GEMM1 reads the decoded activations"
+    assert decoded[1] == 5 * 256  # T * H bf16 values
+    with pytest.raises(ValueError, match="both GEMMs"):
+        fake_forward(monkeypatch, mode, fused, per_token=per_token, tile=launcher.WGMMA_TILE, k_splits=(W, 1))

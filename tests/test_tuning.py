@@ -118,3 +118,10 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     assert launcher.default_tactic(256, 8, 256, 32, 4096, 7168, tiles, 132, wgmma=True)[0] == 8
     added = set(launcher.tactics(tiles, wgmma=True)) - set(launcher.tactics(tiles))
     assert added == {(128, a, b) for a in launcher.K_SPLITS + (W,) for b in launcher.K_SPLITS + (W,) if W in (a, b)}
+    # The quantized modes take the wgmma GEMMs together, and only where neither would split K.
+    assert set(launcher.tactics(tiles, wgmma=True, mixed=False)) - set(launcher.tactics(tiles)) == {(128, W, W)}
+    assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132, True, mixed=False) == (128, W, W)
+    assert launcher.default_tactic(512, 8, 256, 32, 4096, 7168, tiles, 132, True, mixed=False) == (128, W, W)
+    # 8 experts x 16 rows: GEMM2's 8 x 8 CTAs split K; w4a16 runs GEMM1 on wgmma, the quantized modes neither.
+    assert launcher.default_tactic(128, 1, 8, 8, 2048, 1024, tiles, 132, True) == (128, W, 2)
+    assert launcher.default_tactic(128, 1, 8, 8, 2048, 1024, tiles, 132, True, mixed=False) == (128, 1, 2)

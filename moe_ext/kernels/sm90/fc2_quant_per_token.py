@@ -3,70 +3,79 @@
 One CTA per permuted row; padding rows (permuted_to_expanded = -1) are skipped. The row max over the whole
 bf16 row gives pts2 = rowamax * fc2_input_scale (stored for GEMM2) and the encode scale enc = 1/pts2; each block
 of 16 then gets SF = e4m3(enc * amax/6) and codes e2m1(h / (SF / enc)), both in the 128x4-swizzled layout.
+The `dequantize` variant (for the wgmma GEMM2, which reads bf16) writes code * SF back over h instead.
 """
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32
+from cutlass import BFloat16, Float32, Int32, Int64
 
-from . import quantize
+from . import ptx, quantize
 from .fp4 import swizzled_sf_offset
 
 THREADS = 128
 FLT_MAX = 3.4028234663852886e38
 
 
-@cute.kernel
-def fc2_quant_kernel(h: cute.Tensor, permuted_to_expanded: cute.Tensor, fc2_input_scale: cute.Tensor,
-                     out_q: cute.Tensor, out_sf: cute.Tensor, row_scale: cute.Tensor, inter: Int32):
-    tid, _, _ = cute.arch.thread_idx()
-    row, _, _ = cute.arch.block_idx()
-    lane = cute.arch.lane_idx()
-    warp = cute.arch.warp_idx()
-    smem = cutlass.utils.SmemAllocator()
-    partial = smem.allocate_tensor(Float32, cute.make_layout(THREADS // 32), byte_alignment=16)
-    cute.arch.griddepcontrol_wait()
-    rows = cute.size(permuted_to_expanded)
-    if permuted_to_expanded[row] >= 0:
-        amax = Float32(0.0)
-        for col in cutlass.range(tid, inter, THREADS):
-            amax = cute.math.max(amax, cute.math.abs(Float32(h[row * inter + col])))
-        amax = cute.arch.warp_reduction_max(amax)
-        if lane == 0:
-            partial[warp] = amax
-        cute.arch.sync_threads()
-        row_amax = partial[0]
-        for w in cutlass.range_constexpr(1, THREADS // 32):
-            row_amax = cute.math.max(row_amax, partial[w])
-        pts2 = row_amax * fc2_input_scale[0]
-        enc = Float32(FLT_MAX)
-        if row_amax > Float32(0.0):
-            enc = cute.arch.rcp_approx(pts2)
-        if tid == 0:
-            row_scale[row] = pts2
-        for blk in cutlass.range(tid, inter // 16, THREADS):
-            values = [Float32(h[row * inter + blk * 16 + i]) for i in range(16)]
-            quantize.store_nvfp4_per_token(values, enc, out_q, row * (inter // 2) + blk * 8, out_sf,
-                                           swizzled_sf_offset(0, row, blk, rows, inter // 16))
-    cute.arch.griddepcontrol_launch_dependents()
+def make_fc2_quant(dequantize: bool):
+    @cute.kernel
+    def fc2_quant_kernel(h: cute.Tensor, permuted_to_expanded: cute.Tensor, fc2_input_scale: cute.Tensor,
+                         out_q: cute.Tensor, out_sf: cute.Tensor, row_scale: cute.Tensor, inter: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        smem = cutlass.utils.SmemAllocator()
+        partial = smem.allocate_tensor(Float32, cute.make_layout(THREADS // 32), byte_alignment=16)
+        cute.arch.griddepcontrol_wait()
+        rows = cute.size(permuted_to_expanded)
+        if permuted_to_expanded[row] >= 0:
+            amax = Float32(0.0)
+            for col in cutlass.range(tid, inter, THREADS):
+                amax = cute.math.max(amax, cute.math.abs(Float32(h[row * inter + col])))
+            amax = cute.arch.warp_reduction_max(amax)
+            if lane == 0:
+                partial[warp] = amax
+            cute.arch.sync_threads()
+            row_amax = partial[0]
+            for w in cutlass.range_constexpr(1, THREADS // 32):
+                row_amax = cute.math.max(row_amax, partial[w])
+            pts2 = row_amax * fc2_input_scale[0]
+            enc = Float32(FLT_MAX)
+            if row_amax > Float32(0.0):
+                enc = cute.arch.rcp_approx(pts2)
+            if tid == 0:
+                row_scale[row] = pts2
+            for blk in cutlass.range(tid, inter // 16, THREADS):
+                values = [Float32(h[row * inter + blk * 16 + i]) for i in range(16)]
+                if cutlass.const_expr(dequantize):
+                    words = quantize.dequantized_nvfp4_per_token(values, enc)
+                    address = h.iterator.toint() + (Int64(row) * Int64(inter) + Int64(blk * 16)) * Int64(2)
+                    ptx.st_global_v4(address, *words[:4])
+                    ptx.st_global_v4(address + Int64(16), *words[4:])
+                else:
+                    quantize.store_nvfp4_per_token(values, enc, out_q, row * (inter // 2) + blk * 8, out_sf,
+                                                   swizzled_sf_offset(0, row, blk, rows, inter // 16))
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def launch_fc2_quant(h: cute.Tensor, permuted_to_expanded: cute.Tensor, fc2_input_scale: cute.Tensor,
+                         out_q: cute.Tensor, out_sf: cute.Tensor, row_scale: cute.Tensor, inter: Int32,
+                         pdl: cutlass.Boolean, stream: cuda.CUstream):
+        fc2_quant_kernel(h, permuted_to_expanded, fc2_input_scale, out_q, out_sf, row_scale, inter).launch(
+            grid=(cute.size(permuted_to_expanded), 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=pdl)
+
+    return launch_fc2_quant
 
 
-@cute.jit
-def launch_fc2_quant(h: cute.Tensor, permuted_to_expanded: cute.Tensor, fc2_input_scale: cute.Tensor,
-                     out_q: cute.Tensor, out_sf: cute.Tensor, row_scale: cute.Tensor, inter: Int32,
-                     pdl: cutlass.Boolean, stream: cuda.CUstream):
-    fc2_quant_kernel(h, permuted_to_expanded, fc2_input_scale, out_q, out_sf, row_scale, inter).launch(
-        grid=(cute.size(permuted_to_expanded), 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=pdl)
-
-
-def compile_fc2_quant(options: str):
+def compile_fc2_quant(options: str, dequantize: bool = False):
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     def vector(dtype, align=4):
         return make_fake_compact_tensor(dtype, (cute.sym_int(),), assumed_align=align)
 
-    return cute.compile(launch_fc2_quant, vector(BFloat16, 16), vector(Int32), vector(Float32),
+    return cute.compile(make_fc2_quant(dequantize), vector(BFloat16, 16), vector(Int32), vector(Float32),
                         vector(cutlass.Uint8, 16), vector(cutlass.Uint8), vector(Float32), Int32(128),
                         cutlass.Boolean(True), cuda.CUstream(0), options=options)

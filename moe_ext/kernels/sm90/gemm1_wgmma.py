@@ -1,13 +1,21 @@
-"""GEMM1 for large token counts (sm_90a, w4a16): the warp-specialised wgmma mainloop (wgmma_mainloop.py) over
-gathered bf16 token rows and NVFP4 weights, then alpha -> activation -> bf16 FC2 input.
+"""GEMM1 for large token counts (sm_90a): the warp-specialised wgmma mainloop (wgmma_mainloop.py) over gathered
+bf16 token rows and 4-bit weights, then alpha (x per-token scale) -> activation -> FC2 input.
 
-Same arguments as gemm1.py's kernel (the launcher picks either by name; this one ignores the tensors of the
-quantized modes and `k_split`, which must be 1). Grid (max tiles, N1 / 128): CTA (m, n) takes routing tile m
+Same arguments as gemm1.py's kernel (the launcher picks either by name; this one ignores `x_q`, `x_sf`, `out_q`,
+`out_sf` and `k_split`, which must be 1). The activations always arrive as bf16 `x_bf16`: for w4a4 / w4a8 the
+routing kernel decoded them exactly (routing.py). Grid (max tiles, N1 / 128): CTA (m, n) takes routing tile m
 (128 permuted rows of one local expert; tiles past the device-side live count exit at once, so the grid depends
 only on T) and weight rows [128n, 128n + 128) of this launch's N1 rows. Token rows are gathered through
 permuted_to_expanded (token = expanded // top_k); rows at or past the tile's limit read the last valid row and are
 not stored. With the 64-row up/gate interleave a 128-row weight tile gives intermediate columns
 [col_offset + 64n, col_offset + 64n + 64) (up in accumulator columns 0..63, gate in 64..127); Relu2 gives 128.
+
+The FC2 input goes to `out_bf16` as bf16 in every mode, for the wgmma GEMM2:
+  w4a16, w4a4_pt  h itself (w4a4_pt: alpha x per_token_scale; the per-token kernel quantizes it afterwards)
+  w4a4            h quantized to NVFP4 with the per-tensor fc2_input_scale (semantics §2.4a) and decoded again
+  w4a8            h quantized to MXFP8 (§2.4c) and decoded again (w1 is MXFP4)
+The decoded values are exactly what the streaming GEMM2 multiplies (code * block scale), so both GEMM2s see the
+same FC2 input.
 """
 from __future__ import annotations
 
@@ -16,19 +24,27 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from . import activations, gemm1, ptx
+from . import activations, gemm1, ptx, quantize
 from . import wgmma_mainloop as mainloop
 
-MODES = ("w4a16",)
+MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
+# Values quantized together (one scale block) in the epilogue; bf16 outputs go 8 at a time (one 16-byte store).
+_GROUP = {"w4a16": 8, "w4a4": 16, "w4a4_pt": 8, "w4a8": 32}
 
 
-def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig = mainloop.DEFAULT):
+def config_for(mode: str) -> mainloop.WgmmaConfig:
+    return mainloop.WgmmaConfig(sf_block=32 if mode == "w4a8" else 16)
+
+
+def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
     if mode not in MODES:
-        raise ValueError(f"the wgmma GEMM1 takes bf16 activations (w4a16), not {mode}")
+        raise ValueError(f"the wgmma GEMM1 has no mode {mode}; modes: {MODES}")
+    cfg = cfg or config_for(mode)
     cfg.check()
     gated = kind != "relu2"
     width = cfg.bn // 2 if gated else cfg.bn  # intermediate columns of one CTA
     per_thread = width // 2
+    group = _GROUP[mode]
 
     @cute.kernel
     def gemm1_wgmma_kernel(x_bf16: cute.Tensor, x_q: cute.Tensor, x_sf: cute.Tensor, per_token_scale: cute.Tensor,
@@ -65,16 +81,17 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig = mainloop.DEFAU
                 row = row0 + r
                 if row < limit:
                     s1 = w1_alpha[expert]
+                    if cutlass.const_expr(mode == "w4a4_pt"):
+                        s1 = s1 * per_token_scale[permuted_to_expanded[row] // top_k]
                     c0 = half * per_thread  # this thread's first intermediate column inside the CTA's
                     row_addr = s_c.iterator.toint() + r * (cfg.pitch * 4)
                     out_addr = out_bf16.iterator.toint() + (
                         Int64(row) * Int64(inter) + Int64(col_offset + n_tile * width + c0)) * Int64(2)
-                    for v in cutlass.range_constexpr(per_thread // 8):  # 8 values = one 16-byte store
-                        packed = []
-                        for q in cutlass.range_constexpr(2):
-                            c = c0 + 8 * v + 4 * q
+                    for g in cutlass.range_constexpr(per_thread // group):
+                        h = []
+                        for q in cutlass.range_constexpr(group // 4):
+                            c = c0 + group * g + 4 * q
                             up = ptx.ld_shared_v4(row_addr + c * 4)
-                            h = []
                             if cutlass.const_expr(gated):
                                 gate = ptx.ld_shared_v4(row_addr + (c + cfg.bn // 2) * 4)
                                 for j in cutlass.range_constexpr(4):
@@ -84,8 +101,14 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig = mainloop.DEFAU
                                 for j in cutlass.range_constexpr(4):
                                     h.append(activations.apply(kind, None, up[j].bitcast(Float32) * s1,
                                                                (p0, p1, p2, p3)))
-                            packed += [ptx.pack_bf16x2(h[0], h[1]), ptx.pack_bf16x2(h[2], h[3])]
-                        ptx.st_global_v4(out_addr + Int64(16 * v), *packed)
+                        if cutlass.const_expr(mode == "w4a4"):
+                            words = quantize.dequantized_nvfp4_per_tensor(h, fc2_input_scale[0])
+                        elif cutlass.const_expr(mode == "w4a8"):
+                            words = quantize.dequantized_mxfp8(h)
+                        else:
+                            words = [ptx.pack_bf16x2(h[2 * j], h[2 * j + 1]) for j in range(group // 2)]
+                        for v in cutlass.range_constexpr(group // 8):  # 8 values = one 16-byte store
+                            ptx.st_global_v4(out_addr + Int64(2 * group * g + 16 * v), *words[4 * v:4 * v + 4])
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit

@@ -1,13 +1,18 @@
-"""GEMM2 for large token counts (sm_90a, w4a16): the warp-specialised wgmma mainloop (wgmma_mainloop.py) over the
-bf16 FC2-input rows and NVFP4 FC2 weights, finalized like gemm2.py (semantics §2.6).
+"""GEMM2 for large token counts (sm_90a): the warp-specialised wgmma mainloop (wgmma_mainloop.py) over the bf16
+FC2-input rows and 4-bit FC2 weights, finalized like gemm2.py (semantics §2.6).
 
-Same arguments as gemm2.py's kernel (the launcher picks either by name; this one ignores the quantized FC2-input
-tensors and `k_split`, which must be 1). Grid (max tiles, N / 128): CTA (m, n) takes routing tile m (128 permuted
-rows of one local expert, read in place: the FC2 input is already in permuted order) and weight rows
-[128n, 128n + 128) of this launch's N (= `hidden`: H, or H / 2 for a localized shard), whose output columns start at
-`col_offset` of rows `out_pitch` wide. Each valid row p (expanded slot s = t*K + k) gives
-y = bf16(w2_alpha[e] * scale * acc): fused, scale = token_final_scales[s] and y is added (bf16x2 reduce-add) into
-out[t]; deterministic, scale = 1 and y is stored to the slot row out[s].
+Same arguments as gemm2.py's kernel (the launcher picks either by name; this one ignores `a_q`, `a_sf` and
+`k_split`, which must be 1). The FC2 input is always bf16 `a_bf16`: in the quantized modes gemm1_wgmma.py (or the
+per-token kernel) stored its quantization decoded again. Modes: w4a16 (NVFP4 weights; w4a4 runs it too, its FC2
+input arriving decoded), w4a4_pt (also times the per-row FC2 scale `row_scale`), w4a8 (MXFP4 weights).
+
+Grid (max tiles, N / 128): CTA (m, n) takes routing tile m (128 permuted rows of one local expert, read in place:
+the FC2 input is already in permuted order) and weight rows [128n, 128n + 128) of this launch's N (= `hidden`: H,
+or H / 2 for a localized shard), whose output columns start at `col_offset` of rows `out_pitch` wide. Each valid
+row p (expanded slot s = t*K + k) gives y = bf16(scale * acc), with scale formed as gemm2.py forms it (pts2:
+w4a4_pt's row_scale[p], else 1):
+  fused          scale = w2_alpha[e] * (token_final_scales[s] * pts2); y is added (bf16x2 reduce-add) into out[t]
+  deterministic  scale = w2_alpha[e] * pts2; y is stored to the slot row out[s]
 """
 from __future__ import annotations
 
@@ -16,15 +21,18 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from . import gemm2, ptx
+from . import gemm1_wgmma, gemm2, ptx
 from . import wgmma_mainloop as mainloop
 
-MODES = ("w4a16",)
+MODES = ("w4a16", "w4a4_pt", "w4a8")
+# The kernel each quant mode runs: w4a4's FC2 input is decoded bf16 and its weights NVFP4, as in w4a16.
+KERNEL_MODE = {"w4a16": "w4a16", "w4a4": "w4a16", "w4a4_pt": "w4a4_pt", "w4a8": "w4a8"}
 
 
-def make_kernel(mode: str, cfg: mainloop.WgmmaConfig = mainloop.DEFAULT):
+def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
     if mode not in MODES:
-        raise ValueError(f"the wgmma GEMM2 takes a bf16 FC2 input (w4a16), not {mode}")
+        raise ValueError(f"the wgmma GEMM2 has no mode {mode}; modes: {MODES}")
+    cfg = cfg or gemm1_wgmma.config_for(mode)
     cfg.check()
     per_thread = cfg.bn // 2  # output columns of one epilogue thread
 
@@ -61,10 +69,13 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig = mainloop.DEFAULT):
                 row = row0 + r
                 if row < limit:
                     slot = permuted_to_expanded[row]
-                    scale = w2_alpha[expert]
+                    pts2 = Float32(1.0)
+                    if cutlass.const_expr(mode == "w4a4_pt"):
+                        pts2 = row_scale[row]
+                    scale = w2_alpha[expert] * pts2
                     out_row = slot
                     if fused:
-                        scale = w2_alpha[expert] * token_final_scales[slot]
+                        scale = w2_alpha[expert] * (token_final_scales[slot] * pts2)
                         out_row = slot // top_k
                     c0 = half * per_thread
                     row_addr = s_c.iterator.toint() + r * (cfg.pitch * 4)

@@ -161,6 +161,13 @@ def e2m1x8_to_bf16x2(word: Int32, scale2: Int32, *, loc=None, ip=None) -> list:
     return out
 
 
+def e2m1x8_to_bf16x8(word: Int32, scale2: Int32) -> list:
+    """8 e2m1 codes (element j in bits 4j..4j+3) -> 4 bf16x2 registers in natural order, each value * scale."""
+    p = e2m1x8_to_bf16x2(word, Int32(BF16X2_2P126))  # (x0 x4)(x1 x5)(x2 x6)(x3 x7), exact values
+    natural = [prmt(p[0], p[1], 0x5410), prmt(p[2], p[3], 0x5410), prmt(p[0], p[1], 0x7632), prmt(p[2], p[3], 0x7632)]
+    return [mul_bf16x2(v, scale2) for v in natural]
+
+
 @dsl_user_op
 def mma_bf16_16816(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
     """c += A (16x16 bf16, row) x B (16x8 bf16, col) with fp32 accumulation; operands in the PTX fragment order."""

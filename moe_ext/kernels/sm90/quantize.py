@@ -1,16 +1,19 @@
 """FC2-input quantizers of the GEMM1 epilogue and the per-token kernel (semantics §2.4), on fp32 registers.
 
-Straight-line helpers, inlined at trace time: each takes one block of fp32 values as a Python list and stores
-its packed codes and its scale byte. The scale goes to the 128x4-swizzled layout of the intermediate (one group,
-rows = all permuted rows), which GEMM2 reads back.
+Straight-line helpers, inlined at trace time: each takes one block of fp32 values as a Python list. The `store_*`
+ones store its packed codes and its scale byte; the scale goes to the 128x4-swizzled layout of the intermediate
+(one group, rows = all permuted rows), which the streaming GEMM2 reads back. The `dequantized_*` ones return the
+same quantization decoded again, code * scale as bf16x2 words in order (exact: an e2m1 or e4m3 code times its
+scale has at most 6 significant bits), which the wgmma GEMM2 reads as its bf16 A operand.
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
-from .fp4 import e2m1_code, e4m3_code, e4m3_to_f32, ue8m0_ceil_code, ue8m0_reciprocal
+from . import ptx
+from .fp4 import e2m1_code, e4m3_code, e4m3_to_f32, ue8m0_ceil_code, ue8m0_reciprocal, ue8m0_to_f32
 
 FLT_MAX = 3.4028234663852886e38
 
@@ -29,30 +32,76 @@ def _store_e2m1_pairs(values, mult, out_q, q_index):
         out_q[q_index + j] = cutlass.Uint8(lo | (hi << 4))
 
 
-def store_nvfp4_per_tensor(values, gs2: Float32, out_q, q_index, out_sf, sf_index):
-    """16 values: SF = e4m3((amax * 1/6) * gs2); q = e2m1(h * min(gs2 * rcp(SF), FLT_MAX)) (semantics §2.4a)."""
+def _dequantized_e2m1(values, mult, sf) -> list:
+    """bf16x2 words of e2m1(h * mult) * SF for 8k values, in order."""
+    s2 = ptx.pack_bf16x2(e4m3_to_f32(sf), e4m3_to_f32(sf))
+    words = []
+    for g in range(len(values) // 8):
+        word = Int32(0)
+        for j in range(8):
+            word = word | (e2m1_code(values[8 * g + j] * mult) << (4 * j))
+        words += ptx.e2m1x8_to_bf16x8(word, s2)
+    return words
+
+
+def _nvfp4_per_tensor_scale(values, gs2: Float32):
+    """(SF code, multiplier): SF = e4m3((amax * 1/6) * gs2); mult = min(gs2 * rcp(SF), FLT_MAX) (semantics §2.4a)."""
     sf = e4m3_code((_amax(values) * Float32(1.0 / 6.0)) * gs2)
-    mult = cute.math.min(gs2 * cute.arch.rcp_approx(e4m3_to_f32(sf)), Float32(FLT_MAX))
+    return sf, cute.math.min(gs2 * cute.arch.rcp_approx(e4m3_to_f32(sf)), Float32(FLT_MAX))
+
+
+def store_nvfp4_per_tensor(values, gs2: Float32, out_q, q_index, out_sf, sf_index):
+    """16 values: q = e2m1(h * mult) with the per-tensor SF (semantics §2.4a)."""
+    sf, mult = _nvfp4_per_tensor_scale(values, gs2)
     out_sf[sf_index] = cutlass.Uint8(sf)
     _store_e2m1_pairs(values, mult, out_q, q_index)
 
 
-def store_nvfp4_per_token(values, enc: Float32, out_q, q_index, out_sf, sf_index):
-    """16 values of a row with encode scale enc = 1/pts2 (semantics §2.4b)."""
+def dequantized_nvfp4_per_tensor(values, gs2: Float32) -> list:
+    """16 values -> 8 bf16x2 words: the NVFP4 per-tensor quantization of store_nvfp4_per_tensor, decoded."""
+    sf, mult = _nvfp4_per_tensor_scale(values, gs2)
+    return _dequantized_e2m1(values, mult, sf)
+
+
+def _nvfp4_per_token_scale(values, enc: Float32):
+    """(SF code, multiplier) of 16 values of a row with encode scale enc = 1/pts2 (semantics §2.4b)."""
     sf = e4m3_code(enc * (_amax(values) * cute.arch.rcp_approx(Float32(6.0))))
     sf_value = e4m3_to_f32(sf)
     mult = cute.arch.rcp_approx(sf_value * cute.arch.rcp_approx(enc))
-    mult = Float32(cutlass.select_(sf_value == Float32(0.0), Float32(0.0), mult))
+    return sf, Float32(cutlass.select_(sf_value == Float32(0.0), Float32(0.0), mult))
+
+
+def store_nvfp4_per_token(values, enc: Float32, out_q, q_index, out_sf, sf_index):
+    sf, mult = _nvfp4_per_token_scale(values, enc)
     out_sf[sf_index] = cutlass.Uint8(sf)
     _store_e2m1_pairs(values, mult, out_q, q_index)
 
 
-def store_mxfp8(values, out_q, q_index, out_sf, sf_index):
-    """32 values: code = ceil-exponent of amax/448, q = e4m3(h * 2^(127-code)) (semantics §2.4c)."""
+def dequantized_nvfp4_per_token(values, enc: Float32) -> list:
+    sf, mult = _nvfp4_per_token_scale(values, enc)
+    return _dequantized_e2m1(values, mult, sf)
+
+
+def _mxfp8_scale(values):
+    """(ue8m0 code, 2^(127-code)): code = ceil-exponent of amax/448 (semantics §2.4c)."""
     code = ue8m0_ceil_code(_amax(values) * Float32(1.0 / 448.0))
-    inv = ue8m0_reciprocal(code)
+    return code, ue8m0_reciprocal(code)
+
+
+def store_mxfp8(values, out_q, q_index, out_sf, sf_index):
+    """32 values: q = e4m3(h * 2^(127-code))."""
+    code, inv = _mxfp8_scale(values)
     out_sf[sf_index] = cutlass.Uint8(code)
     for j in range(len(values)):
         out_q[q_index + j] = cutlass.Uint8(e4m3_code(values[j] * inv))
+
+
+def dequantized_mxfp8(values) -> list:
+    """32 values -> 16 bf16x2 words: e4m3(h * 2^(127-code)) * 2^(code-127), store_mxfp8's quantization decoded
+    (exact in bf16 while the product is an fp32 normal)."""
+    code, inv = _mxfp8_scale(values)
+    scale = ue8m0_to_f32(code)
+    decoded = [e4m3_to_f32(e4m3_code(v * inv)) * scale for v in values]
+    return [ptx.pack_bf16x2(decoded[2 * j], decoded[2 * j + 1]) for j in range(len(values) // 2)]
 
 

@@ -6,6 +6,12 @@ tile its expert and row limit. Non-local ids (outside [offset, offset + E), nega
 The expert count, offset and tile size are runtime values and every size is read from the tensors, so one
 compiled kernel serves every layer and a captured launch serves any routing. The order of rows inside an expert
 follows the atomics and is not fixed; every result indexed by slot is independent of it.
+
+For the wgmma GEMMs of the quantized modes the same launch also decodes the activations (NVFP4 or MXFP8, linear
+scales) to bf16 (`moe_routing_decode_{format}`): CTA 0 routes, CTAs 1.. decode 16 values a thread, on the SMs the
+routing CTA leaves idle, so a forward gains no kernel node. The decode is exact: an e2m1 code times its e4m3
+scale, or an e4m3 code times its ue8m0 scale, has at most 6 significant bits (the MXFP8 product flushes to zero
+below fp32's normal range, as in the streaming GEMM1).
 """
 from __future__ import annotations
 
@@ -14,7 +20,10 @@ from dataclasses import dataclass
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import BFloat16, Int32, Int64
+
+from . import ptx
+from .fp4 import e4m3_to_f32, ue8m0_to_f32
 
 
 @dataclass(frozen=True)
@@ -25,20 +34,28 @@ class RoutingConfig:
 
 CONFIG = RoutingConfig()
 WARP = 32
+DECODE_FORMATS = ("nvfp4", "mxfp8")
+DECODE_VALUES = 16  # activation values a decode thread converts
 
 
-@cute.kernel
-def routing_kernel(ids: cute.Tensor, num_experts: Int32, offset: Int32, tile: Int32, expert_counts: cute.Tensor,
-                   expert_offsets: cute.Tensor, expanded_to_permuted: cute.Tensor,
-                   permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor,
-                   num_live_tiles: cute.Tensor):
+def allocate_counters():
+    """The routing CTA's shared memory: per-expert counts and tile-padded starts."""
+    smem = cutlass.utils.SmemAllocator()
+    counts = smem.allocate_tensor(Int32, cute.make_layout(CONFIG.max_experts), byte_alignment=16)
+    starts = smem.allocate_tensor(Int32, cute.make_layout(CONFIG.max_experts + 1), byte_alignment=16)
+    return counts, starts
+
+
+@cute.jit
+def route(ids: cute.Tensor, num_experts: Int32, offset: Int32, tile: Int32, expert_counts: cute.Tensor,
+          expert_offsets: cute.Tensor, expanded_to_permuted: cute.Tensor, permuted_to_expanded: cute.Tensor,
+          tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
+          counts: cute.Tensor, starts: cute.Tensor):
+    """The whole routing, by one CTA of CONFIG.threads threads."""
     threads = CONFIG.threads
     tid, _, _ = cute.arch.thread_idx()
     lane = cute.arch.lane_idx()
     warp = cute.arch.warp_idx()
-    smem = cutlass.utils.SmemAllocator()
-    counts = smem.allocate_tensor(Int32, cute.make_layout(CONFIG.max_experts), byte_alignment=16)
-    starts = smem.allocate_tensor(Int32, cute.make_layout(CONFIG.max_experts + 1), byte_alignment=16)
     num_slots = cute.size(ids)
 
     for e in cutlass.range(tid, num_experts, threads):
@@ -100,6 +117,16 @@ def routing_kernel(ids: cute.Tensor, num_experts: Int32, offset: Int32, tile: In
         for t in cutlass.range(begin // tile, starts[e + 1] // tile):
             tile_to_expert[t] = e
             tile_to_mn_limit[t] = cutlass.min(end, (t + 1) * tile)
+
+
+@cute.kernel
+def routing_kernel(ids: cute.Tensor, num_experts: Int32, offset: Int32, tile: Int32, expert_counts: cute.Tensor,
+                   expert_offsets: cute.Tensor, expanded_to_permuted: cute.Tensor,
+                   permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor,
+                   num_live_tiles: cute.Tensor):
+    counts, starts = allocate_counters()
+    route(ids, num_experts, offset, tile, expert_counts, expert_offsets, expanded_to_permuted, permuted_to_expanded,
+          tile_to_expert, tile_to_mn_limit, num_live_tiles, counts, starts)
     cute.arch.griddepcontrol_launch_dependents()
 
 
@@ -111,6 +138,78 @@ def launch_routing(ids: cute.Tensor, num_experts: Int32, offset: Int32, tile: In
     routing_kernel(ids, num_experts, offset, tile, expert_counts, expert_offsets, expanded_to_permuted,
                    permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles).launch(
         grid=(1, 1, 1), block=(CONFIG.threads, 1, 1), stream=stream, use_pdl=pdl)
+
+
+def decode_values(x_format: str, x_q: cute.Tensor, x_sf: cute.Tensor, x_out: cute.Tensor, index):
+    """Values [16 index, 16 index + 16) of the row-major activations -> bf16 in x_out (linear block scales)."""
+    first = Int64(index) * Int64(DECODE_VALUES)
+    words = []
+    if cutlass.const_expr(x_format == "nvfp4"):
+        codes = ptx.ld_global_v2(x_q.iterator.toint() + first // 2)
+        s = e4m3_to_f32(Int32(x_sf[index]))  # one block of 16
+        s2 = ptx.pack_bf16x2(s, s)
+        words = ptx.e2m1x8_to_bf16x8(codes[0], s2) + ptx.e2m1x8_to_bf16x8(codes[1], s2)
+    else:
+        codes = ptx.ld_global_v4(x_q.iterator.toint() + first)
+        s = ue8m0_to_f32(Int32(x_sf[index // 2]))  # blocks of 32
+        for w in range(4):
+            v = [e4m3_to_f32((codes[w] >> (8 * b)) & 0xFF) * s for b in range(4)]
+            words += [ptx.pack_bf16x2(v[0], v[1]), ptx.pack_bf16x2(v[2], v[3])]
+    address = x_out.iterator.toint() + first * Int64(2)
+    ptx.st_global_v4(address, *words[:4])
+    ptx.st_global_v4(address + Int64(16), *words[4:])
+
+
+def make_routing_decode(x_format: str):
+    """The routing launch that also decodes the activations: CTA 0 routes, CTA c > 0 decodes values
+    [16 * 1024 (c - 1), 16 * 1024 c). x_out (bf16, T * H) is the wgmma GEMM1's x."""
+    if x_format not in DECODE_FORMATS:
+        raise ValueError(f"x_format must be one of {DECODE_FORMATS}, got {x_format}")
+
+    @cute.kernel
+    def routing_decode_kernel(ids: cute.Tensor, num_experts: Int32, offset: Int32, tile: Int32,
+                              expert_counts: cute.Tensor, expert_offsets: cute.Tensor,
+                              expanded_to_permuted: cute.Tensor, permuted_to_expanded: cute.Tensor,
+                              tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
+                              x_q: cute.Tensor, x_sf: cute.Tensor, x_out: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        counts, starts = allocate_counters()
+        if cta == 0:
+            route(ids, num_experts, offset, tile, expert_counts, expert_offsets, expanded_to_permuted,
+                  permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, counts, starts)
+        else:
+            index = (cta - 1) * CONFIG.threads + tid
+            cute.arch.griddepcontrol_wait()
+            if index < cute.size(x_out) // DECODE_VALUES:
+                decode_values(x_format, x_q, x_sf, x_out, index)
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def launch(ids: cute.Tensor, num_experts: Int32, offset: Int32, tile: Int32, expert_counts: cute.Tensor,
+               expert_offsets: cute.Tensor, expanded_to_permuted: cute.Tensor, permuted_to_expanded: cute.Tensor,
+               tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
+               x_q: cute.Tensor, x_sf: cute.Tensor, x_out: cute.Tensor, pdl: cutlass.Boolean, stream: cuda.CUstream):
+        per_cta = CONFIG.threads * DECODE_VALUES
+        routing_decode_kernel(ids, num_experts, offset, tile, expert_counts, expert_offsets, expanded_to_permuted,
+                              permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, x_q, x_sf,
+                              x_out).launch(
+            grid=(1 + (cute.size(x_out) + per_cta - 1) // per_cta, 1, 1), block=(CONFIG.threads, 1, 1),
+            stream=stream, use_pdl=pdl)
+
+    return launch
+
+
+def compile_routing_decode(x_format: str, options: str):
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    def vector(dtype=Int32, align=4):
+        return make_fake_compact_tensor(dtype, (cute.sym_int(),), assumed_align=align)
+
+    return cute.compile(make_routing_decode(x_format), vector(), Int32(1), Int32(0), Int32(128), vector(), vector(),
+                        vector(), vector(), vector(), vector(), vector(), vector(cutlass.Uint8, 16),
+                        vector(cutlass.Uint8), vector(BFloat16, 16), cutlass.Boolean(True), cuda.CUstream(0),
+                        options=options)
 
 
 def compile_routing(options: str):

@@ -30,7 +30,7 @@ from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.tensor_utils import LayoutEnum
 
 from . import ptx
-from .fp4 import e4m3_to_f32, swizzled_sf_offset
+from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
 
 PRODUCERS = 128  # threads of the producer warpgroup
 CONSUMERS = 256
@@ -48,6 +48,7 @@ class WgmmaConfig:
     pad: int = 4
     producer_regs: int = 56  # setmaxnreg: 128 * 56 + 256 * 224 = 64512 <= 65536
     consumer_regs: int = 224
+    sf_block: int = 16  # weight scale block: 16 (NVFP4, e4m3 scales) or 32 (MXFP4, ue8m0 scales)
 
     @property
     def threads(self) -> int:
@@ -61,6 +62,7 @@ class WgmmaConfig:
         assert self.bm == 128 and self.bn == 128, "the thread mappings assume a 128 x 128 tile"
         assert self.bk == 64, "one stage must be one 4-block group of the 128x4 scale layout"
         assert self.stages >= self.lag + 2, "producer lag + the consumers' two held stages must fit the ring"
+        assert self.sf_block in (16, 32), "NVFP4 (16) or MXFP4 (32) weights"
 
 
 DEFAULT = WgmmaConfig()
@@ -169,34 +171,38 @@ class RawRing:
 
 
 def issue_b_stage(cfg: WgmmaConfig, ring: RawRing, w_row: Int64, sf_row: Int64, kt, slot):
-    """cp.async this thread's weight row for K stage kt: 32 code bytes and the 4 scale bytes (blocks 4kt..4kt+3
-    are one contiguous group of the 128x4 layout; the next group is 512 bytes on)."""
+    """cp.async this thread's weight row for K stage kt: 32 code bytes and the 4-byte scale group of the 128x4
+    layout that holds the stage's blocks (the next group is 512 bytes on). NVFP4: blocks 4kt..4kt+3, the whole
+    group; MXFP4: blocks 2kt, 2kt + 1, half of group kt / 2 (decode_b_stage picks the half)."""
     src = w_row + Int64(kt) * Int64(cfg.bk // 2)
     ptx.cp_async_16(ring.codes_at(slot, 0), src)
     ptx.cp_async_16(ring.codes_at(slot, 1), src + Int64(16))
-    ptx.cp_async_4(ring.scales_at(slot), sf_row + Int64(kt) * Int64(512))
+    stages_per_group = 4 * cfg.sf_block // cfg.bk
+    ptx.cp_async_4(ring.scales_at(slot), sf_row + Int64(kt // stages_per_group) * Int64(512))
 
 
-def e2m1x8_to_bf16x8(word: Int32, scale2: Int32) -> list:
-    """8 e2m1 codes (element j in bits 4j..4j+3) -> 4 bf16x2 registers in natural order, each value * scale."""
-    p = ptx.e2m1x8_to_bf16x2(word, Int32(ptx.BF16X2_2P126))  # (x0 x4)(x1 x5)(x2 x6)(x3 x7), exact values
-    natural = [ptx.prmt(p[0], p[1], 0x5410), ptx.prmt(p[2], p[3], 0x5410),
-               ptx.prmt(p[0], p[1], 0x7632), ptx.prmt(p[2], p[3], 0x7632)]
-    return [ptx.mul_bf16x2(v, scale2) for v in natural]
-
-
-def decode_b_stage(cfg: WgmmaConfig, ring: RawRing, r2s_atom, tBsB, slot, stage):
-    """Raw ring slot -> bf16 value * scale -> this thread's row of sB[..., stage], one 16-byte chunk at a time."""
+def decode_b_stage(cfg: WgmmaConfig, ring: RawRing, r2s_atom, tBsB, slot, stage, kt):
+    """Raw ring slot of K stage kt -> bf16 value * scale (e4m3, or ue8m0: a power of two, exact too) -> this
+    thread's row of sB[..., stage], one 16-byte chunk at a time."""
     words = [ptx.ld_shared_v4(ring.codes_at(slot, h)) for h in range(2)]
     scale_word = ptx.ld_shared_b32(ring.scales_at(slot))
     chunk = cute.make_rmem_tensor(tBsB[(None, 0, 0, 0)].shape, BFloat16)
     chunk_words = cute.recast_tensor(chunk, Int32)
-    for blk in range(cfg.bk // 16):  # two 8-value chunks per scale block
-        s = e4m3_to_f32((scale_word >> (8 * blk)) & 0xFF)
+    blocks = cfg.bk // cfg.sf_block
+    chunks_per_block = cfg.sf_block // 8
+    first_byte = 0
+    if cutlass.const_expr(cfg.sf_block == 32):
+        first_byte = (kt % 2) * 2  # this stage's half of the 4-byte group
+    for blk in range(blocks):
+        byte = (scale_word >> (8 * (first_byte + blk))) & 0xFF
+        if cutlass.const_expr(cfg.sf_block == 16):
+            s = e4m3_to_f32(byte)
+        else:
+            s = ue8m0_to_f32(byte)
         s2 = ptx.pack_bf16x2(s, s)
-        for half in range(2):
-            c = 2 * blk + half
-            values = e2m1x8_to_bf16x8(words[c // 4][c % 4], s2)
+        for part in range(chunks_per_block):
+            c = chunks_per_block * blk + part
+            values = ptx.e2m1x8_to_bf16x8(words[c // 4][c % 4], s2)
             for j in range(4):
                 chunk_words[j] = values[j]
             cute.copy(r2s_atom, chunk, tBsB[(None, 0, c, stage)])
@@ -207,14 +213,14 @@ def produce(cfg: cutlass.Constexpr, pipe, sA, sB, raw_codes: Int32, raw_scales: 
             a_row_offset: cutlass.Constexpr, w, w_sf, expert, first_row, rows_per_expert, k_extent):
     """Warpgroup 0 over all K stages. A row m of the tile starts `a_row_offset(m)` bytes past `a_base` (bf16,
     16-byte aligned rows); the weight rows are [first_row, first_row + 128) of `expert` in the 4-bit `w` of
-    `rows_per_expert` rows and K = k_extent, NVFP4 scales `w_sf`."""
+    `rows_per_expert` rows and K = k_extent, block scales `w_sf` (cfg.sf_block)."""
     cp_atom, tAsA, tAcA = a_copy_partition(cfg, sA, ptid)
     r2s_atom, tBsB = b_store_partition(cfg, sB, ptid)
     a_src = a_sources(tAcA, a_base, a_row_offset)
     w_row_index = first_row + ptid
     w_row = w.iterator.toint() + (Int64(expert) * Int64(rows_per_expert) + Int64(w_row_index)) * Int64(k_extent // 2)
     sf_row = w_sf.iterator.toint() + Int64(swizzled_sf_offset(expert, w_row_index, 0, rows_per_expert,
-                                                              k_extent // 16))
+                                                              k_extent // cfg.sf_block))
     ring = RawRing(raw_codes, raw_scales, ptid)
     k_tiles = k_extent // cfg.bk
 
@@ -231,7 +237,7 @@ def produce(cfg: cutlass.Constexpr, pipe, sA, sB, raw_codes: Int32, raw_scales: 
         if j >= cfg.lag:
             d = j - cfg.lag
             cute.arch.cp_async_wait_group(cfg.lag)
-            decode_b_stage(cfg, ring, r2s_atom, tBsB, d % (cfg.lag + 1), publish.index)
+            decode_b_stage(cfg, ring, r2s_atom, tBsB, d % (cfg.lag + 1), publish.index, d)
             cute.arch.fence_view_async_shared()  # generic-proxy writes (cp.async, st.shared) -> wgmma reads
             pipe.producer_commit(publish)
             publish.advance()
