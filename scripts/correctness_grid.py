@@ -6,7 +6,8 @@ Cases: tests/conftest.py GRID_FACTORS, in full: quant mode (w4a16, w4a4, w4a4 pe
 SiTU not with w4a8) x finalize x EP (1; 8 with ranks 0, 3, 7) x T {1, 7, 128, 515, 4096} x top_k {1, 2, 8} x
 (H, I), 13,200 in all, 16 experts. Each case runs the forward with the default tactic (what a user gets) on a
 NaN-poisoned output and checks the gates of tests/test_hopper_kernels.py: every element written and finite,
-relative L2 vs the reference (fused finalize: vs the exact sum of the bf16 contributions) within TOLERANCE, and
+relative L2 vs the reference within the gate of conftest.reference_and_gate (TOLERANCE; fused finalize: vs the exact
+sum of the bf16 contributions, admitting bf16 accumulation-order noise), and
 for the deterministic finalize a second run bitwise equal.
 
 Weights are drawn and prepared on the device once per (mode, activation, shape, EP rank) and shared by that
@@ -26,13 +27,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from conftest import (ACTIVATIONS, GRID_FACTORS, MODES, TOLERANCE, Case, fused_reference, grid_allowed,  # noqa: E402
-                      rel_l2, routing)
+from conftest import (ACTIVATIONS, GRID_FACTORS, MODES, TOLERANCE, Case, grid_allowed,  # noqa: E402
+                      reference_and_gate, rel_l2, routing)
 
 import moe_ext  # noqa: E402
 from moe_ext.backends import HOPPER, backend_for  # noqa: E402
 from moe_ext.problem import build_problem  # noqa: E402
-from moe_ext.reference import reference_moe  # noqa: E402
 
 NUM_EXPERTS = 16
 X_AMAX = 4.0
@@ -77,14 +77,14 @@ def check(case: Case, fused: bool) -> dict:
     kw = case.kwargs(use_fused_finalize=fused)
     problem = build_problem(**kw)
     on_kernels = backend_for(problem) is HOPPER
-    expected = fused_reference(problem) if fused else reference_moe(problem)
+    expected, gate = reference_and_gate(problem, TOLERANCE[case.mode])
     out = moe_ext.cute_dsl_fused_moe(**kw, moe_output=torch.full_like(expected, float("nan")))
     finite = bool(torch.isfinite(out).all())
     rel = rel_l2(out, expected)
     bitwise = None if fused else bool(torch.equal(moe_ext.cute_dsl_fused_moe(**kw), out))
     return dict(on_kernels=on_kernels, tactic=list(HOPPER.default_tactic(problem)) if on_kernels else None,
-                rel_l2=rel, finite=finite, bitwise=bitwise,
-                ok=finite and rel <= TOLERANCE[case.mode] and bitwise is not False)
+                rel_l2=rel, gate=gate, finite=finite, bitwise=bitwise,
+                ok=finite and rel <= gate and bitwise is not False)
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,7 @@
 #   ep:        (2 GPUs) the expert-parallel tests on NCCL, the torchrun example; bench_ep: 1- vs 2-GPU benchmark
 #   wgmma:     the w4a16 / localized / tactic tests (they add the wgmma tactics), memcheck, profile, benchmark
 #   quant_wgmma: the w4a4 / w4a8 reference checks (they add the wgmma tactic), memcheck, their wgmma benchmark
-#   grid:      the full issue-3 correctness grid (13,200 cases), shard $GRID_SHARD (K/N, default 0/1), 500 s at most
+#   grid:      the full issue-3 correctness grid (13,200 cases), shards $GRID_SHARD ("K/N ...", default 0/1), 500 s each
 #   tile_choice: per-kernel times of the default tactic vs (128, wgmma, wgmma) where experts get 16-64 rows; T=16384
 #   examples:  install, memcheck of every kernel, the examples, host overhead, fused vs deterministic finalize
 #   bench:     install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
@@ -72,10 +72,13 @@ elif [ "$PART" = quant_wgmma ]; then
     --impls moe_ext --max-seconds-per-point 1.5 --out "$OUT/h200_quant_wgmma.json"
 elif [ "$PART" = memcheck ]; then
   step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/memcheck_smoke.py
-elif [ "$PART" = grid ]; then
-  step grid 540 python3 scripts/correctness_grid.py --shard "${GRID_SHARD:-0/1}" --max-seconds 500 \
-    --out "$OUT/correctness_grid.json"
-  grep -c FAILED "$OUT/grid.log" | sed 's/^/grid failures: /' | tee -a "$OUT/summary.txt"
+elif [ "$PART" = grid ]; then  # GRID_SHARD: one or more K/N, space-separated; one JSON each (logs folded in)
+  for shard in ${GRID_SHARD:-0/1}; do
+    name=grid_${shard%/*}of${shard#*/}
+    step "$name" 540 python3 scripts/correctness_grid.py --shard "$shard" --max-seconds 500 --out "$OUT/$name.json"
+    grep FAILED "$OUT/$name.log" | head -20 >> "$OUT/summary.txt"
+    rm -f "$OUT/$name.log"
+  done
 elif [ "$PART" = tile_choice ]; then
   points=deepseek-v3:1024,gpt-oss-120b:1024,deepseek-v3-ep8:512,qwen3-30b-a3b:512,mixtral-8x7b:256
   step profile_default 80 python3 benchmarks/profile_kernels.py --points $points

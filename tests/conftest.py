@@ -148,15 +148,35 @@ def rel_l2(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def fused_reference(problem):
-    """The fused finalize's order-free value: the exact sum of the bf16 contributions, rounded once. The kernels add
-    them with bf16 atomics in whatever order the CTAs finish and the reference in slot order; each order is a
-    different bf16 rounding of this sum, so the gate measures every order against it."""
-    from moe_ext.reference import expert_outputs
+def reference_and_gate(problem, tolerance: float, orders: int = 16) -> tuple:
+    """(reference, allowed relative L2) for a kernel output.
+
+    Deterministic finalize: the reference forward and `tolerance`.
+    Fused finalize: the order-free value, i.e. the exact sum of the bf16 contributions rounded once. The kernels
+    add the contributions with bf16 atomics in whatever order the CTAs finish (semantics §2.6), and each order is a
+    different bf16 rounding of this sum. The gate is `tolerance`, or 1.25x the worst relative L2 that `orders`
+    random slot orders of bf16 running sums of the same contributions reach, whichever is larger. So it admits
+    accumulation-order noise and nothing else. At T = 1 with top_k = 8, a few hundred elements, that noise alone can
+    pass 5e-3: the deterministic finalize of such a case matched exactly, while the fused one reached 5.06e-3 on the
+    H200 (benchmarks/results/h200_session5_checks.md)."""
+    from moe_ext.reference import expert_outputs, reference_moe
     from moe_ext.routing import compute_routing
 
+    if not problem.use_fused_finalize:
+        return reference_moe(problem), tolerance
     routing = compute_routing(problem.token_selected_experts, problem.num_local_experts,
                               problem.local_expert_offset, problem.tile_size)
     y, valid = expert_outputs(problem, routing)
-    return (y.float() * valid[..., None]).sum(1).to(torch.bfloat16)
+    contributions = y.float() * valid[..., None]  # [T, K, H], each exactly a bf16 value
+    exact = contributions.sum(1).to(torch.bfloat16)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    worst = 0.0
+    for _ in range(orders):
+        order = torch.argsort(torch.rand(contributions.shape[:2], generator=g), dim=1).to(contributions.device)
+        running = torch.zeros_like(exact)
+        for k in range(contributions.shape[1]):
+            term = contributions.gather(1, order[:, k, None, None].expand(-1, 1, contributions.shape[2]))[:, 0]
+            running = (running.float() + term).to(torch.bfloat16)
+        worst = max(worst, rel_l2(running, exact))
+    return exact, max(tolerance, 1.25 * worst)
 

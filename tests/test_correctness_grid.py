@@ -35,3 +35,34 @@ def test_smoke_run_writes_records_and_a_summary(tmp_path):
     first = records[0]
     assert (first["mode"], first["act"], first["tokens"], first["top_k"]) == (*grid.groups()[5][:2], 1, 1)
     assert all(r["finite"] and r["ok"] and not r["on_kernels"] for r in records)
+
+
+def test_the_fused_gate_admits_accumulation_order_and_nothing_more():
+    """reference_and_gate on a fused T=1, top_k=8 case: any bf16 running-sum order of the exact contributions
+    passes, while a dropped contribution or a 2% scale error fails."""
+    import torch
+    from conftest import TOLERANCE, make_case, reference_and_gate, rel_l2
+
+    from moe_ext.problem import build_problem
+    from moe_ext.reference import expert_outputs
+    from moe_ext.routing import compute_routing
+
+    case = make_case("w4a16", "situ", num_tokens=1, top_k=8, num_experts=16, hidden=256, inter=512)
+    problem = build_problem(**case.kwargs(use_fused_finalize=True))
+    exact, gate = reference_and_gate(problem, TOLERANCE["w4a16"])
+    assert gate >= TOLERANCE["w4a16"]
+    routing = compute_routing(problem.token_selected_experts, problem.num_local_experts,
+                              problem.local_expert_offset, problem.tile_size)
+    y, valid = expert_outputs(problem, routing)
+    terms = (y.float() * valid[..., None])[0]
+    assert torch.equal(terms.sum(0).to(torch.bfloat16), exact[0])
+    for order in (range(8), reversed(range(8))):
+        running = torch.zeros_like(exact[0])
+        for k in order:
+            running = (running.float() + terms[k]).to(torch.bfloat16)
+        assert rel_l2(running, exact[0]) <= gate
+    dropped = (terms.sum(0) - terms[int(valid[0].nonzero()[0])]).to(torch.bfloat16)
+    assert rel_l2(dropped, exact[0]) > gate
+    assert rel_l2((exact[0].float() * 1.02).to(torch.bfloat16), exact[0]) > gate
+    deterministic = build_problem(**case.kwargs(use_fused_finalize=False))
+    assert reference_and_gate(deterministic, TOLERANCE["w4a16"])[1] == TOLERANCE["w4a16"]
