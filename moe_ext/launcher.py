@@ -381,7 +381,8 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     """routing -> GEMM1 (-> per-token FC2 quantize) -> GEMM2 (-> finalize) on the current stream; every grid
     depends on T only, so the sequence can be captured in a CUDA graph once and replayed for any routing.
 
-    k_splits: the cluster K split of GEMM1 and GEMM2 (K_SPLITS, or WGMMA for the wgmma kernel). Fused finalize:
+    k_splits: the cluster K split of GEMM1 and GEMM2 (K_SPLITS, or WGMMA for the wgmma kernel; in w4a4 / w4a8 the
+    routing launch then also decodes x to bf16 for it, and GEMM1 stores the FC2 input decoded). Fused finalize:
     `out` is zeroed (on the `aux` ForkJoin's stream, overlapping GEMM1, or in order on the current stream without
     one) and GEMM2 adds each router-weighted row into it; deterministic: GEMM2 writes per-slot rows and the
     finalize kernel sums them. Localized shards (problem.shards): FC1 of each shard writes its half of the

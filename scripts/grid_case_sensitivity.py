@@ -6,7 +6,6 @@ the kernel's relative L2 against the reference; for w4a4 per-token also each sta
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -76,7 +75,7 @@ def main() -> None:
     kw = case.kwargs(use_fused_finalize=args.fused)
     problem = build_problem(**kw)
     expected, gate = reference_and_gate(problem, TOLERANCE[case.mode])
-    report = dict(case=vars(args), gate=gate, tactics={}, reference_moves={}, perturbed={})
+    report = dict(case=vars(args), gate=gate, tactics={})
     for tactic in HOPPER.tactics(problem):
         out = moe_ext.cute_dsl_fused_moe(**kw, tactic=tactic)
         report["tactics"][str(tactic)] = rel_l2(out, expected)
