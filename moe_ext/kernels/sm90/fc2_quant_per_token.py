@@ -51,10 +51,8 @@ def make_fc2_quant(dequantize: bool):
             for blk in cutlass.range(tid, inter // 16, THREADS):
                 values = [Float32(h[row * inter + blk * 16 + i]) for i in range(16)]
                 if cutlass.const_expr(dequantize):
-                    words = quantize.dequantized_nvfp4_per_token(values, enc)
-                    address = h.iterator.toint() + (Int64(row) * Int64(inter) + Int64(blk * 16)) * Int64(2)
-                    ptx.st_global_v4(address, *words[:4])
-                    ptx.st_global_v4(address + Int64(16), *words[4:])
+                    ptx.write_words(h.iterator.toint() + (Int64(row) * Int64(inter) + Int64(blk * 16)) * Int64(2),
+                                    quantize.dequantized_nvfp4_per_token(values, enc))
                 else:
                     quantize.store_nvfp4_per_token(values, enc, out_q, row * (inter // 2) + blk * 8, out_sf,
                                                    swizzled_sf_offset(0, row, blk, rows, inter // 16))

@@ -107,8 +107,7 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
                             words = quantize.dequantized_mxfp8(h)
                         else:
                             words = [ptx.pack_bf16x2(h[2 * j], h[2 * j + 1]) for j in range(group // 2)]
-                        for v in cutlass.range_constexpr(group // 8):  # 8 values = one 16-byte store
-                            ptx.st_global_v4(out_addr + Int64(2 * group * g + 16 * v), *words[4 * v:4 * v + 4])
+                        ptx.write_words(out_addr + Int64(2 * group * g), words)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit

@@ -26,13 +26,20 @@ from .fp4 import swizzled_sf_offset
 MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 
 
-def write_words(address: Int64, words: list, vector_op, scalar_op) -> None:
-    """bf16x2 words to consecutive global addresses: 16-byte instructions, then single words for the rest."""
-    full = len(words) - len(words) % 4
-    for i in range(0, full, 4):
-        vector_op(address + 4 * i, *words[i:i + 4])
-    for i in range(full, len(words)):
-        scalar_op(address + 4 * i, words[i])
+@cute.jit
+def output_row_and_scale(per_token: cutlass.Constexpr, fused: cutlass.Boolean, slot, row, expert, top_k,
+                         w2_alpha: cute.Tensor, token_final_scales: cute.Tensor, row_scale: cute.Tensor):
+    """(output row, scale) of permuted row `row` (expanded slot `slot`): the finalize rule in this module's
+    docstring, shared with gemm2_wgmma.py."""
+    pts2 = Float32(1.0)
+    if cutlass.const_expr(per_token):
+        pts2 = row_scale[row]
+    scale = w2_alpha[expert] * pts2
+    out_row = slot
+    if fused:
+        scale = w2_alpha[expert] * (token_final_scales[slot] * pts2)
+        out_row = slot // top_k
+    return out_row, scale
 
 
 def make_kernel(mode: str, tokens: int):
@@ -77,24 +84,17 @@ def make_kernel(mode: str, tokens: int):
             part = tid % (cfg.threads // tokens)
             row = row0 + a_row
             if rank == 0 and row < limit:
-                slot = permuted_to_expanded[row]
-                pts2 = Float32(1.0)
-                if cutlass.const_expr(mode == "w4a4_pt"):
-                    pts2 = row_scale[row]
-                scale = w2_alpha[expert] * pts2
-                out_row = slot
-                if fused:
-                    scale = w2_alpha[expert] * (token_final_scales[slot] * pts2)
-                    out_row = slot // top_k
+                out_row, scale = output_row_and_scale(mode == "w4a4_pt", fused, permuted_to_expanded[row], row,
+                                                      expert, top_k, w2_alpha, token_final_scales, row_scale)
                 c0 = part * cols_per_thread
                 words = [ptx.pack_bf16x2(scale * s_c[a_row, c0 + 2 * i], scale * s_c[a_row, c0 + 2 * i + 1])
                          for i in range(cols_per_thread // 2)]
                 address = out.iterator.toint() + (Int64(out_row) * Int64(out_pitch) + Int64(
                     col_offset + n_tile * cfg.rows + c0)) * 2
                 if fused:
-                    write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
+                    ptx.write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
                 else:
-                    write_words(address, words, ptx.st_global_v4, ptx.st_global_b32)
+                    ptx.write_words(address, words)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit

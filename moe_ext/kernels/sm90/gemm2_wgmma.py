@@ -68,15 +68,9 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
                 r, half = mainloop.epilogue_thread(ctid)
                 row = row0 + r
                 if row < limit:
-                    slot = permuted_to_expanded[row]
-                    pts2 = Float32(1.0)
-                    if cutlass.const_expr(mode == "w4a4_pt"):
-                        pts2 = row_scale[row]
-                    scale = w2_alpha[expert] * pts2
-                    out_row = slot
-                    if fused:
-                        scale = w2_alpha[expert] * (token_final_scales[slot] * pts2)
-                        out_row = slot // top_k
+                    out_row, scale = gemm2.output_row_and_scale(mode == "w4a4_pt", fused, permuted_to_expanded[row],
+                                                                row, expert, top_k, w2_alpha, token_final_scales,
+                                                                row_scale)
                     c0 = half * per_thread
                     row_addr = s_c.iterator.toint() + r * (cfg.pitch * 4)
                     words = []
@@ -87,9 +81,9 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
                     address = out.iterator.toint() + (Int64(out_row) * Int64(out_pitch) + Int64(
                         col_offset + n_tile * cfg.bn + c0)) * 2
                     if fused:
-                        gemm2.write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
+                        ptx.write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
                     else:
-                        gemm2.write_words(address, words, ptx.st_global_v4, ptx.st_global_b32)
+                        ptx.write_words(address, words)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit

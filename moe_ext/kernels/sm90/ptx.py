@@ -161,6 +161,16 @@ def e2m1x8_to_bf16x2(word: Int32, scale2: Int32, *, loc=None, ip=None) -> list:
     return out
 
 
+def write_words(address: Int64, words: list, vector_op=st_global_v4, scalar_op=st_global_b32) -> None:
+    """32-bit words to consecutive global addresses (stores, or e.g. reduce-adds): 16-byte instructions, then single
+    words for the rest."""
+    full = len(words) - len(words) % 4
+    for i in range(0, full, 4):
+        vector_op(address + 4 * i, *words[i:i + 4])
+    for i in range(full, len(words)):
+        scalar_op(address + 4 * i, words[i])
+
+
 def e2m1x8_to_bf16x8(word: Int32, scale2: Int32) -> list:
     """8 e2m1 codes (element j in bits 4j..4j+3) -> 4 bf16x2 registers in natural order, each value * scale."""
     p = e2m1x8_to_bf16x2(word, Int32(BF16X2_2P126))  # (x0 x4)(x1 x5)(x2 x6)(x3 x7), exact values

@@ -155,9 +155,7 @@ def decode_values(x_format: str, x_q: cute.Tensor, x_sf: cute.Tensor, x_out: cut
         for w in range(4):
             v = [e4m3_to_f32((codes[w] >> (8 * b)) & 0xFF) * s for b in range(4)]
             words += [ptx.pack_bf16x2(v[0], v[1]), ptx.pack_bf16x2(v[2], v[3])]
-    address = x_out.iterator.toint() + first * Int64(2)
-    ptx.st_global_v4(address, *words[:4])
-    ptx.st_global_v4(address + Int64(16), *words[4:])
+    ptx.write_words(x_out.iterator.toint() + first * Int64(2), words)
 
 
 def make_routing_decode(x_format: str):
