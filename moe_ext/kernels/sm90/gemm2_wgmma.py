@@ -24,9 +24,7 @@ from cutlass import Float32, Int32, Int64
 from . import gemm1_wgmma, gemm2, ptx
 from . import wgmma_mainloop as mainloop
 
-MODES = ("w4a16", "w4a4_pt", "w4a8")
-# The kernel each quant mode runs: w4a4's FC2 input is decoded bf16 and its weights NVFP4, as in w4a16.
-KERNEL_MODE = {"w4a16": "w4a16", "w4a4": "w4a16", "w4a4_pt": "w4a4_pt", "w4a8": "w4a8"}
+MODES = ("w4a16", "w4a4_pt", "w4a8")  # w4a4 runs the w4a16 kernel (launcher._WGMMA_GEMM2_MODE)
 
 
 def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
