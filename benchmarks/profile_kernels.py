@@ -2,7 +2,10 @@
 Layers, weights and routing are the benchmark's own (moe_ext.bench).
 
     python3 benchmarks/profile_kernels.py [--points qwen3-30b-a3b:1,mixtral-8x7b:1024] [--mode w4a16]
-                                          [--tactic 8,1,2]
+                                          [--tactic 8,1,2] [--fused] [--ncu]
+
+--ncu runs one forward per point between cudaProfilerStart/Stop and no torch.profiler, for
+`ncu --profile-from-start off`, which times each kernel alone (no PDL overlap with its neighbours).
 """
 import argparse
 import collections
@@ -14,7 +17,8 @@ from moe_ext.bench import (SHAPES, Point, moe_ext_inputs, point_seed, random_moe
                            supported_dims)
 
 
-def profile_point(shape, num_tokens: int, mode: str, tactic, reps: int = 10) -> dict:
+def profile_point(shape, num_tokens: int, mode: str, tactic, reps: int = 10, fused: bool = False,
+                  ncu: bool = False) -> dict:
     """Mean GPU microseconds per forward of each kernel of one point."""
     hidden, inter = supported_dims(shape, mode, "cuda")
     point = Point(shape, num_tokens, "moe_ext", mode, "deterministic", hidden, inter)
@@ -23,11 +27,17 @@ def profile_point(shape, num_tokens: int, mode: str, tactic, reps: int = 10) -> 
                   **random_moe_ext_weights(point, "cuda", torch.Generator(device="cuda").manual_seed(seed)))
     wrapper = moe_ext.CuteDslMoEWrapper(shape.num_experts, shape.top_k, hidden, inter, max_num_tokens=num_tokens,
                                         num_local_experts=shape.num_local, local_expert_offset=shape.local_offset,
-                                        quant_mode=mode, device="cuda", use_fused_finalize=False,
+                                        quant_mode=mode, device="cuda", use_fused_finalize=fused,
                                         **shape.wrapper_kwargs())
     for _ in range(3):
         wrapper.run(**inputs, tactic=tactic)
     torch.cuda.synchronize()
+    if ncu:
+        torch.cuda.cudart().cudaProfilerStart()
+        wrapper.run(**inputs, tactic=tactic)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        return {}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             wrapper.run(**inputs, tactic=tactic)
@@ -45,11 +55,13 @@ def main():
                                             "mixtral-8x7b:1024")
     parser.add_argument("--mode", default="w4a16")
     parser.add_argument("--tactic", default=None, help="routing tile, GEMM1 K split, GEMM2 K split, e.g. 8,1,2")
+    parser.add_argument("--fused", action="store_true", help="fused finalize (default deterministic)")
+    parser.add_argument("--ncu", action="store_true", help="one unprofiled forward per point, for ncu")
     args = parser.parse_args()
     tactic = None if args.tactic is None else tuple(int(v) for v in args.tactic.split(","))
     for point in args.points.split(","):
         name, num_tokens = point.split(":")
-        times = profile_point(SHAPES[name], int(num_tokens), args.mode, tactic)
+        times = profile_point(SHAPES[name], int(num_tokens), args.mode, tactic, fused=args.fused, ncu=args.ncu)
         print(f"{name} T={num_tokens} {args.mode} tactic={tactic}: {sum(times.values()):.1f} us of kernels")
         for kernel, us in sorted(times.items(), key=lambda kv: -kv[1]):
             print(f"    {us:9.1f} us  {kernel}")

@@ -13,7 +13,7 @@ import torch
 from .problem import MoEProblem
 from .reference import reference_moe
 from .routing import compute_routing
-from .tuning import AutoTuner, Tactic, token_bucket
+from .tuning import AutoTuner, Tactic, capturing, token_bucket
 from .workspace import MoEWorkspace
 
 
@@ -144,11 +144,13 @@ def backend_for(problem: MoEProblem):
 
 
 def op_key(problem: MoEProblem, backend, op: str) -> tuple:
-    """Tuning-cache key: op, backend, quant mode, activation parameters, finalize, shapes and the token bucket."""
+    """Tuning-cache key: op, backend, quant mode, activation parameters, finalize, shapes (experts in all and local:
+    they set the load a rank's experts see) and the token bucket."""
     return (op, backend.name, problem.quant_mode, problem.activation.cache_key(),
             problem.per_token_scale is not None, problem.use_fused_finalize, problem.shards is not None,
             problem.localized_allow_nonlocalized,
-            problem.hidden_size, problem.intermediate_size, problem.num_local_experts, problem.top_k,
+            problem.hidden_size, problem.intermediate_size, problem.num_experts, problem.num_local_experts,
+            problem.top_k,
             token_bucket(max(1, problem.num_tokens)))
 
 
@@ -162,6 +164,21 @@ def select_tactic(problem: MoEProblem, backend, tactic, op: str, out: torch.Tens
             raise ValueError(f"tactic {tactic} is not valid for the {backend.name} backend on this problem; "
                              f"valid tactics: {candidates}")
         return tactic
-    return AutoTuner.get().choose(
-        op_key(problem, backend, op), candidates, backend.default_tactic(problem),
-        lambda t: backend.run(problem, t, out, workspace), problem.device, use_cuda_graph)
+    tuner = AutoTuner.get()
+    key = op_key(problem, backend, op)
+    profiled = problem
+    if tuner.tuning and not capturing() and tuner.lookup(key) not in candidates:
+        profiled = profiling_problem(problem)
+    return tuner.choose(key, candidates, backend.default_tactic(problem),
+                        lambda t: backend.run(profiled, t, out, workspace), problem.device, use_cuda_graph)
+
+
+def profiling_problem(problem: MoEProblem) -> MoEProblem:
+    """The problem the tuner times candidates on: the caller's tensors with a uniform random routing (fixed seed) in
+    place of the caller's. The tactic is kept for the whole token bucket, so it must not hang on one call's routing:
+    a first call that sends no slot (or every slot) to this rank's experts would otherwise pick a tactic that is
+    fastest at doing nothing. Uniform load is also what the untuned heuristic assumes."""
+    gen = torch.Generator(device=problem.device).manual_seed(0)
+    scores = torch.rand(problem.num_tokens, problem.num_experts, generator=gen, device=problem.device)
+    ids = scores.topk(problem.top_k, dim=1).indices.to(torch.int32)
+    return dataclasses.replace(problem, token_selected_experts=ids)

@@ -9,6 +9,7 @@
 #   tile_choice: per-kernel times of the default tactic vs (128, wgmma, wgmma) where experts get 16-64 rows; T=16384
 #   examples:  install, memcheck of every kernel, the examples, host overhead, fused vs deterministic finalize
 #   bench:     install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
+#   decode:    T <= 64 breakdown: graph replays (both finalize modes), per-kernel profile, ncu of each kernel alone
 #   localized: install, the localized / fused-finalize / graph tests, memcheck, the localized benchmark
 # Logs and a summary go to $OUT. Prepare here, then run there (the device tool, carry .kernels):
 #   python3 -m moe_ext.kernels.sm90.build .kernels          # here, with CuTe-DSL
@@ -95,6 +96,18 @@ elif [ "$PART" = examples ]; then
   step finalize_modes 150 python3 -m moe_ext.bench --shapes qwen3-30b-a3b,deepseek-v3-ep8,deepseek-v3 \
     --tokens 1,64 --modes w4a16 --finalize fused,deterministic --impls moe_ext --iters 30 \
     --max-seconds-per-point 1.5 --out "$OUT/h200_finalize_modes.json"
+elif [ "$PART" = decode ]; then
+  points=${DECODE_POINTS:-qwen3-30b-a3b:1,deepseek-v3-ep8:1,mixtral-8x7b:1,deepseek-v3:1}
+  step bench_decode 200 python3 -m moe_ext.bench --tokens ${DECODE_TOKENS:-1,8,64} --modes w4a16 \
+    --finalize fused,deterministic --impls moe_ext --iters 30 --max-seconds-per-point 1.0 --out "$OUT/h200_decode.json"
+  step profile_decode 60 python3 benchmarks/profile_kernels.py --points $points --fused
+  step ncu_decode 240 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+    --section LaunchStats --section Occupancy --section SchedulerStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis python3 benchmarks/profile_kernels.py --points $points --fused --ncu
+elif [ "$PART" = decode_stalls ]; then  # where the streaming GEMMs' warps wait (stall reasons, hottest SASS)
+  step ncu_stalls 300 ncu --clock-control none --profile-from-start off -k regex:gemm --section WarpStateStats \
+    --section SourceCounters --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
+    python3 benchmarks/profile_kernels.py --points ${DECODE_POINTS:-qwen3-30b-a3b:1,mixtral-8x7b:1} --fused --ncu
 elif [ "$PART" = localized ]; then
   step pytest_localized 300 python3 -m pytest -q -p no:cacheprovider tests/test_localized.py tests/test_plan.py \
     tests/test_hopper_kernels.py -k "localized or fused_finalize or graph_capture or acceptance" -rs

@@ -125,3 +125,41 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     # 8 experts x 16 rows: GEMM2's 8 x 8 CTAs split K; w4a16 runs GEMM1 on wgmma, the quantized modes neither.
     assert launcher.default_tactic(128, 1, 8, 8, 2048, 1024, tiles, 132, True) == (128, W, 2)
     assert launcher.default_tactic(128, 1, 8, 8, 2048, 1024, tiles, 132, True, mixed=False) == (128, 1, 2)
+
+
+def test_tuning_times_candidates_on_a_uniform_routing_not_on_the_callers(tuner):
+    """A bucket's tactic must not hang on its first call's routing: with expert parallelism a T=1 call often sends
+    no slot to this rank, and every tactic then ties at doing nothing. The candidates run on a uniform random
+    routing of the same shape (fixed seed); the caller's own run then uses the caller's routing."""
+    from moe_ext import backends
+
+    case = make_case("w4a16", num_tokens=4, top_k=2, num_experts=8, ep=4, rank=1)
+    kwargs = case.kwargs()
+    kwargs["token_selected_experts"] = torch.zeros_like(kwargs["token_selected_experts"])  # all on rank 0
+    problem = build_problem(**kwargs)
+    seen = []
+
+    class Recorder:
+        name = "recorder"
+
+        def tactics(self, p):
+            return [(1,), (2,)]
+
+        def default_tactic(self, p):
+            return (1,)
+
+        def run(self, p, tactic, out, workspace):
+            seen.append(p.token_selected_experts)
+
+    with autotune(True):
+        backends.select_tactic(problem, Recorder(), None, "op", None, None)
+    assert seen, "candidates were profiled"
+    local = [((ids >= case.offset) & (ids < case.offset + case.num_local)).sum() for ids in seen]
+    assert all(int(n) > 0 for n in local)  # 8 slots over 8 experts: this rank's 2 see about 2 of them
+    assert all(torch.equal(ids, seen[0]) for ids in seen)  # one routing for every candidate
+    assert all(len(set(row.tolist())) == 2 for row in seen[0])  # top-k distinct experts per token
+    # Cached now: later calls do not profile again.
+    seen.clear()
+    with autotune(True):
+        backends.select_tactic(problem, Recorder(), None, "op", None, None)
+    assert seen == []

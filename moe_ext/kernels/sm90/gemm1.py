@@ -29,13 +29,15 @@ from .fp4 import swizzled_sf_offset
 MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 
 
-def make_kernel(mode: str, kind: str, tokens: int):
+def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig | None = None):
+    """cfg: the mainloop's configuration (default stream.config_for(tokens); benchmarks/stream_variants.py
+    times others)."""
     gated = kind != "relu2"
     a_format = {"w4a16": "bf16", "w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}[mode]
     b_block = 32 if mode == "w4a8" else 16
     a_block = 32 if a_format == "mxfp8" else 16  # activation scale block (NVFP4 16, MXFP8 32)
     out_format = {"w4a16": "bf16", "w4a4": "nvfp4", "w4a4_pt": "bf16", "w4a8": "mxfp8"}[mode]
-    cfg = streaming.config_for(tokens)
+    cfg = cfg or streaming.config_for(tokens)
 
     @cute.kernel
     def gemm1_kernel(x_bf16: cute.Tensor, x_q: cute.Tensor, x_sf: cute.Tensor, per_token_scale: cute.Tensor,

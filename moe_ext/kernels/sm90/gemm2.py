@@ -42,11 +42,12 @@ def output_row_and_scale(per_token: cutlass.Constexpr, fused: cutlass.Boolean, s
     return out_row, scale
 
 
-def make_kernel(mode: str, tokens: int):
+def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = None):
+    """cfg: as in gemm1.make_kernel."""
     a_format = {"w4a16": "bf16", "w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}[mode]
     b_block = 32 if mode == "w4a8" else 16
     a_block = 32 if a_format == "mxfp8" else 16  # activation scale block (NVFP4 16, MXFP8 32)
-    cfg = streaming.config_for(tokens)
+    cfg = cfg or streaming.config_for(tokens)
     cols_per_thread = cfg.rows * tokens // cfg.threads  # epilogue: output columns per thread
 
     @cute.kernel

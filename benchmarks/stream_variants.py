@@ -1,0 +1,337 @@
+"""Decode-time variants of the streaming GEMMs' mainloop (moe_ext/kernels/sm90/stream.py), timed alone.
+
+Each variant is a stream.StreamConfig; GEMM1 (w4a16, SwiGLU) and GEMM2 (w4a16, deterministic slot rows) are
+JIT-compiled with it through TVM-FFI on the GPU machine (source the offline CuTe-DSL env.sh first) and launched
+on the same inputs as the default configuration. A variant changes scheduling, not arithmetic, so its outputs
+must equal the default's bitwise; a mismatch is reported and the variant's time is not.
+
+Timing: one CUDA graph holds `--rotations` launches, each on its own random routing (different experts, so the
+weights stream from DRAM, not L2); replays are timed with CUDA events, median over `--iters` replays, divided by
+the launches. Weights are random bytes (e2m1 codes, e4m3 scales in [2^-3, 2^2)).
+
+    . /tmp/cutedsl-4.8.1-py312/env.sh
+    python3 benchmarks/stream_variants.py --variants default,unroll2 --out variants.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+# (H, I, experts, top_k, local experts)
+SHAPES = {
+    "qwen3-30b-a3b": (2048, 768, 128, 8, 128),
+    "deepseek-v3-ep8": (7168, 2048, 256, 8, 32),
+    "mixtral-8x7b": (4096, 14336, 8, 2, 8),
+    "deepseek-v3": (7168, 2048, 256, 8, 256),
+}
+
+# Named configurations (fields of stream.StreamConfig that differ from stream.config_for(8)).
+VARIANTS = {
+    "default": {},
+    "unroll2": {"unroll": 2},
+    "stages4": {"stages": 4},
+    "stages5": {"stages": 5},
+    "slices1": {"k_slices": 1},
+    "slices1_stages3": {"k_slices": 1, "stages": 3},  # 96 KB of shared memory: two CTAs per SM
+    "slices1_stages4": {"k_slices": 1, "stages": 4},
+    "bulk": {"ring": "bulk"},
+    "bulk_stages4": {"ring": "bulk", "bulk_stages": 4},
+    "bulk_sub4": {"ring": "bulk", "sub_steps": 4, "bulk_stages": 3},
+    "bulk_unroll2": {"ring": "bulk", "unroll": 2},
+}
+
+
+# Probes: leave-one-out versions of the mainloop (their outputs are wrong by design; they bound where time goes).
+def _probe_consume_loads_only(sm, tid, stage, tile_offset, acc, tokens, block):
+    """Read the ring slot and fold it into one accumulator: the loads stay live, no decode, no MMA."""
+    from cutlass import Float32, Int32
+
+    from moe_ext.kernels.sm90 import ptx
+    slot = sm.weights + (stage * sm.threads + tid) * 32
+    w0 = ptx.ld_shared_v4(slot)
+    w1 = ptx.ld_shared_v4(slot + 16)
+    acc[0] = acc[0] + Float32(w0[0] ^ w0[1] ^ w0[2] ^ w0[3] ^ w1[0] ^ w1[1] ^ w1[2] ^ Int32(w1[3]))
+
+
+def _probe_consume_bulk_loads_only(sm, tid, slot, sub, tile_offset, acc, tokens, block, c):
+    from cutlass import Float32, Int32
+
+    from moe_ext.kernels.sm90 import ptx
+    from moe_ext.kernels.sm90.stream import bulk_pitch
+    lane = tid % 32
+    r = ((tid // 32) % c.warps) * 16 + lane // 4
+    rows = sm.weights + slot * (c.rows * bulk_pitch(c)) + sub * 64 + (lane % 4) * 16
+    w0 = ptx.ld_shared_v4(rows + r * bulk_pitch(c))
+    w1 = ptx.ld_shared_v4(rows + (r + 8) * bulk_pitch(c))
+    acc[0] = acc[0] + Float32(w0[0] ^ w0[1] ^ w0[2] ^ w0[3] ^ w1[0] ^ w1[1] ^ w1[2] ^ Int32(w1[3]))
+
+
+def _probe_issue_nothing(sm, tid, stage, rows, step, block):
+    """No weight copies: the mainloop decodes and multiplies whatever the ring holds."""
+
+
+def _probe_issue_weights_only(sm, tid, stage, rows, step, block):
+    """The weight copies of issue_step without the two 4-byte scale copies."""
+    from cutlass import Int64
+
+    from moe_ext.kernels.sm90 import ptx
+    from moe_ext.kernels.sm90.stream import StreamConfig
+    dst = sm.weights + (stage * sm.threads + tid) * 32
+    offset = Int64(step) * Int64(StreamConfig.k_step // 2)
+    ptx.cp_async_16(dst, rows.row0 + offset)
+    ptx.cp_async_16(dst + 16, rows.row1 + offset)
+
+
+def _cp_async_16_l2_256(smem_addr, gmem_addr, *, loc=None, ip=None):
+    """cp.async 16 B with a 256-byte L2 prefetch hint (the row's next step rides along)."""
+    from cutlass import Int32, Int64
+
+    from moe_ext.kernels.sm90 import ptx
+    ptx._asm(0, [Int32(smem_addr), Int64(gmem_addr)], "cp.async.cg.shared.global.L2::256B [$0], [$1], 16;",
+             "r,l,~{memory}", side_effects=True)
+
+
+def _probe_accumulate_nothing(sm, *args):
+    """No mainloop at all: launch, prologue of the kernel and its epilogue on whatever shared memory holds."""
+
+
+def _probe_token_group_zero(a_format, values_bf16, values_q, offset, scale_byte):
+    from cutlass import Int32
+    return [Int32(0)] * 4
+
+
+def _probe_store_nothing(sm, tokens, row, chunk, values, valid):
+    """No token staging stores (with the zero token_group, no activation loads either)."""
+
+
+PROBES = {
+    "probe_bulk_no_decode": {"consume_bulk_step": _probe_consume_bulk_loads_only},
+    "probe_empty": {"accumulate": _probe_accumulate_nothing},
+    "probe_neither_no_stage": {"consume_step": _probe_consume_loads_only, "issue_step": _probe_issue_nothing,
+                               "token_group": _probe_token_group_zero, "store_chunk": _probe_store_nothing},
+    "probe_no_decode": {"consume_step": _probe_consume_loads_only},
+    "probe_no_decode_no_sf": {"consume_step": _probe_consume_loads_only, "issue_step": _probe_issue_weights_only},
+    "probe_no_decode_l2_256": {"consume_step": _probe_consume_loads_only, "ptx.cp_async_16": _cp_async_16_l2_256},
+    "l2_256": {"ptx.cp_async_16": _cp_async_16_l2_256},
+    "probe_no_load": {"issue_step": _probe_issue_nothing},
+    "probe_neither": {"consume_step": _probe_consume_loads_only, "issue_step": _probe_issue_nothing},
+}
+
+
+PROBE_CONFIGS = {"probe_bulk_no_decode": {"ring": "bulk"}}
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def compile_pair(cfg, tile: int):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    from moe_ext.kernels.sm90 import gemm1, gemm2
+
+    def vector(dtype, align=4):
+        return make_fake_compact_tensor(dtype, (cute.sym_int(),), assumed_align=align)
+
+    u8 = cutlass.Uint8
+    options = "--gpu-arch sm_90a --enable-tvm-ffi"
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    g1 = cute.compile(
+        gemm1.make_kernel("w4a16", "swiglu", tile, cfg), vector(BFloat16, 16), vector(u8, 16), vector(u8),
+        vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32), vector(Int32), vector(Int32),
+        vector(Int32), vector(Int32), vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32),
+        Int32(128), Int32(256), Int32(128), Int32(0), Int32(1), Float32(0), Float32(0), Float32(0), Float32(0),
+        Int32(1), cutlass.Boolean(False), stream, options=options)
+    g2 = cute.compile(
+        gemm2.make_kernel("w4a16", tile, cfg), vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32),
+        vector(u8, 16), vector(u8, 16), vector(Float32), vector(Float32), vector(Int32), vector(Int32),
+        vector(Int32), vector(Int32), vector(BFloat16, 16), Int32(128), Int32(128), Int32(128), Int32(0), Int32(1),
+        cutlass.Boolean(False), Int32(1), cutlass.Boolean(False), stream, options=options)
+    return g1, g2
+
+
+@dataclasses.dataclass
+class Layer:
+    name: str
+    hidden: int
+    inter: int
+    top_k: int
+    w1: torch.Tensor
+    w1_sf: torch.Tensor
+    w2: torch.Tensor
+    w2_sf: torch.Tensor
+    alpha: torch.Tensor
+    x: torch.Tensor
+    scales: torch.Tensor
+    routings: list
+    inters: list  # FC2 input buffer of each routing (GEMM1 out, GEMM2 in)
+    slots: list  # GEMM2 slot-row output of each routing
+    splits: tuple
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    f = t.reshape(-1)
+    return f if f.numel() < 2 ** 31 else f[:2 ** 31 - 1]  # the kernels use the base pointer and 64-bit offsets
+
+
+def make_layer(name: str, tokens: int, tile: int, rotations: int, seed: int, split_factor: int = 1) -> Layer:
+    from moe_ext import launcher
+    from moe_ext.quant import swizzle_sf
+    from moe_ext.routing import compute_routing
+
+    hidden, inter, experts, top_k, local = SHAPES[name]
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def weight(rows, k):
+        w = torch.randint(0, 256, (local, rows, k // 2), generator=gen, device=dev, dtype=torch.uint8)
+        sf = swizzle_sf(torch.randint(0x20, 0x48, (local, rows, k // 16), generator=gen, device=dev,
+                                      dtype=torch.uint8))
+        return w, sf
+
+    w1, w1_sf = weight(2 * inter, hidden)
+    w2, w2_sf = weight(hidden, inter)
+    alpha = (torch.rand(local, generator=gen, device=dev) + 0.5).float()
+    x = torch.randn(tokens, hidden, generator=gen, device=dev).to(torch.bfloat16)
+    scales = torch.rand(tokens * top_k, generator=gen, device=dev).float()
+    routings, inters, slots = [], [], []
+    for _ in range(rotations):
+        ids = torch.rand(tokens, experts, generator=gen, device=dev).topk(top_k, dim=1).indices.to(torch.int32)
+        r = compute_routing(ids, local, 0, tile)
+        routings.append(r)
+        inters.append(torch.zeros(r.permuted_to_expanded.numel() * inter, dtype=torch.bfloat16, device=dev))
+        slots.append(torch.zeros(tokens * top_k * hidden, dtype=torch.bfloat16, device=dev))
+    tactic = launcher.default_tactic(tokens, top_k, experts, local, 2 * inter, hidden, (8, 64, 128),
+                                     torch.cuda.get_device_properties(0).multi_processor_count)
+    return Layer(name, hidden, inter, top_k, w1, w1_sf, w2, w2_sf, alpha, x, scales, routings, inters, slots,
+                 tuple(min(4, max(1, s) * split_factor) for s in tactic[1:]))
+
+
+def run_gemm1(fn, layer: Layer, i: int, dummies: dict):
+    from moe_ext import launcher
+    from moe_ext.activation import Activation
+
+    r = layer.routings[i]
+    fn(layer.x.reshape(-1), dummies["u8"], dummies["u8"], dummies["f32"], flat(layer.w1), layer.w1_sf, layer.alpha,
+       r.permuted_to_expanded, r.tile_to_expert, r.tile_to_mn_limit, r.num_live_tiles, layer.inters[i],
+       dummies["u8"], dummies["u8"], dummies["f32"], layer.hidden, 2 * layer.inter, layer.inter, 0, layer.top_k,
+       *launcher.activation_params(Activation("swiglu")), layer.splits[0], False)
+
+
+def run_gemm2(fn, layer: Layer, i: int, dummies: dict):
+    r = layer.routings[i]
+    fn(layer.inters[i], dummies["u8"], dummies["u8"], dummies["f32"], flat(layer.w2), layer.w2_sf, layer.alpha,
+       layer.scales, r.permuted_to_expanded, r.tile_to_expert, r.tile_to_mn_limit, r.num_live_tiles,
+       layer.slots[i], layer.hidden, layer.inter, layer.hidden, 0, layer.top_k, False, layer.splits[1], False)
+
+
+def time_graph(launches, iters: int) -> float:
+    """Median microseconds of one replay of a graph holding `launches()`."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        launches()  # warm (module load) outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        launches()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {list(VARIANTS) + list(PROBES)}")
+    parser.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3-ep8,mixtral-8x7b,deepseek-v3")
+    parser.add_argument("--tokens", type=int, default=1)
+    parser.add_argument("--tile", type=int, default=8, help="routing tile (tokens per CTA) of the kernels timed")
+    parser.add_argument("--rotations", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--split-factor", type=int, default=1,
+                        help="multiply the heuristic's K splits (for configurations that fit two CTAs per SM)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from moe_ext.kernels.sm90 import ptx
+    from moe_ext.kernels.sm90 import stream as streaming
+
+    tile = args.tile
+    base = streaming.config_for(tile)
+    dummies = {"u8": torch.zeros(16, dtype=torch.uint8, device="cuda"),
+               "f32": torch.zeros(4, dtype=torch.float32, device="cuda")}
+    layers = [make_layer(name, args.tokens, tile, args.rotations, seed=7, split_factor=args.split_factor)
+              for name in args.shapes.split(",")]
+    rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    records, reference = [], {}
+    for variant in args.variants.split(","):
+        cfg = dataclasses.replace(base, **VARIANTS.get(variant, PROBE_CONFIGS.get(variant, {})))
+        start = time.perf_counter()
+        patches = PROBES.get(variant, {})
+        owners = {name: (ptx if name.startswith("ptx.") else streaming) for name in patches}
+        saved = {name: getattr(owners[name], name.split(".")[-1]) for name in patches}
+        try:
+            for name, fn in patches.items():
+                setattr(owners[name], name.split(".")[-1], fn)
+            g1, g2 = compile_pair(cfg, tile)
+        except Exception as exc:  # a variant that does not compile is reported, the others still run
+            log(f"{variant}: compile failed: {type(exc).__name__}: {exc}")
+            records.append(dict(variant=variant, config=dataclasses.asdict(cfg), error=str(exc)[:2000]))
+            continue
+        finally:
+            for name, fn in saved.items():
+                setattr(owners[name], name.split(".")[-1], fn)
+        log(f"{variant}: compiled in {time.perf_counter() - start:.1f} s ({cfg})")
+        for layer in layers:
+            for t in layer.inters + layer.slots:
+                t.fill_(float("nan"))
+            for i in range(len(layer.routings)):
+                run_gemm1(g1, layer, i, dummies)
+                run_gemm2(g2, layer, i, dummies)
+            torch.cuda.synchronize()
+            outputs = [t.clone() for t in layer.inters + layer.slots]
+            key = layer.name
+            if key not in reference:
+                reference[key] = outputs
+                equal = True
+            else:
+                equal = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                            for a, b in zip(outputs, reference[key]))
+            n = len(layer.routings)
+            us1 = time_graph(lambda: [run_gemm1(g1, layer, i, dummies) for i in range(n)], args.iters) / n
+            us2 = time_graph(lambda: [run_gemm2(g2, layer, i, dummies) for i in range(n)], args.iters) / n
+            rec = dict(variant=variant, shape=layer.name, T=args.tokens, tile=tile, splits=layer.splits,
+                       gemm1_us=round(us1, 2), gemm2_us=round(us2, 2), bitwise_equal_to_default=equal,
+                       config=dataclasses.asdict(cfg), git_rev=rev, command=" ".join(sys.argv))
+            records.append(rec)
+            log(f"  {layer.name:16s} T={args.tokens} tile={tile} splits={layer.splits} GEMM1 {us1:8.2f} us  GEMM2 {us2:8.2f} us"
+                f"  equal={equal}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
