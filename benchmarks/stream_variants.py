@@ -36,19 +36,17 @@ SHAPES = {
     "deepseek-v3": (7168, 2048, 256, 8, 256),
 }
 
-# Named configurations (fields of stream.StreamConfig that differ from stream.config_for(8)).
+# Named configurations: stream.StreamConfig fields set on top of each GEMM's stream.config_for(tile, gemm).
 VARIANTS = {
     "default": {},
-    "unroll2": {"unroll": 2},
+    "one_cta": {"ctas_per_sm": 1},
+    "stages3": {"stages": 3},
     "stages4": {"stages": 4},
-    "stages5": {"stages": 5},
+    "stages6": {"stages": 6},
     "slices1": {"k_slices": 1},
-    "slices1_stages3": {"k_slices": 1, "stages": 3},  # 96 KB of shared memory: two CTAs per SM
-    "slices1_stages4": {"k_slices": 1, "stages": 4},
-    "bulk": {"ring": "bulk"},
-    "bulk_stages4": {"ring": "bulk", "bulk_stages": 4},
-    "bulk_sub4": {"ring": "bulk", "sub_steps": 4, "bulk_stages": 3},
-    "bulk_unroll2": {"ring": "bulk", "unroll": 2},
+    "slices2": {"k_slices": 2, "ctas_per_sm": 1},  # 16 warps: one CTA per SM
+    "slices1_stages4": {"k_slices": 1, "stages": 4, "ctas_per_sm": 2},  # 107 KB of shared memory: two CTAs per SM
+    "slices2_stages6": {"k_slices": 2, "stages": 6, "ctas_per_sm": 1},  # the session-5 tile-8 configuration
 }
 
 
@@ -61,19 +59,6 @@ def _probe_consume_loads_only(sm, tid, stage, tile_offset, acc, tokens, block):
     slot = sm.weights + (stage * sm.threads + tid) * 32
     w0 = ptx.ld_shared_v4(slot)
     w1 = ptx.ld_shared_v4(slot + 16)
-    acc[0] = acc[0] + Float32(w0[0] ^ w0[1] ^ w0[2] ^ w0[3] ^ w1[0] ^ w1[1] ^ w1[2] ^ Int32(w1[3]))
-
-
-def _probe_consume_bulk_loads_only(sm, tid, slot, sub, tile_offset, acc, tokens, block, c):
-    from cutlass import Float32, Int32
-
-    from moe_ext.kernels.sm90 import ptx
-    from moe_ext.kernels.sm90.stream import bulk_pitch
-    lane = tid % 32
-    r = ((tid // 32) % c.warps) * 16 + lane // 4
-    rows = sm.weights + slot * (c.rows * bulk_pitch(c)) + sub * 64 + (lane % 4) * 16
-    w0 = ptx.ld_shared_v4(rows + r * bulk_pitch(c))
-    w1 = ptx.ld_shared_v4(rows + (r + 8) * bulk_pitch(c))
     acc[0] = acc[0] + Float32(w0[0] ^ w0[1] ^ w0[2] ^ w0[3] ^ w1[0] ^ w1[1] ^ w1[2] ^ Int32(w1[3]))
 
 
@@ -116,7 +101,6 @@ def _probe_store_nothing(sm, tokens, row, chunk, values, valid):
 
 
 PROBES = {
-    "probe_bulk_no_decode": {"consume_bulk_step": _probe_consume_bulk_loads_only},
     "probe_empty": {"accumulate": _probe_accumulate_nothing},
     "probe_neither_no_stage": {"consume_step": _probe_consume_loads_only, "issue_step": _probe_issue_nothing,
                                "token_group": _probe_token_group_zero, "store_chunk": _probe_store_nothing},
@@ -129,14 +113,11 @@ PROBES = {
 }
 
 
-PROBE_CONFIGS = {"probe_bulk_no_decode": {"ring": "bulk"}}
-
-
 def log(*args):
     print(*args, flush=True)
 
 
-def compile_pair(cfg, tile: int):
+def compile_pair(cfg: tuple, tile: int):
     import cutlass
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
@@ -151,13 +132,13 @@ def compile_pair(cfg, tile: int):
     options = "--gpu-arch sm_90a --enable-tvm-ffi"
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     g1 = cute.compile(
-        gemm1.make_kernel("w4a16", "swiglu", tile, cfg), vector(BFloat16, 16), vector(u8, 16), vector(u8),
+        gemm1.make_kernel("w4a16", "swiglu", tile, cfg[0]), vector(BFloat16, 16), vector(u8, 16), vector(u8),
         vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32), vector(Int32), vector(Int32),
         vector(Int32), vector(Int32), vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32),
         Int32(128), Int32(256), Int32(128), Int32(0), Int32(1), Float32(0), Float32(0), Float32(0), Float32(0),
         Int32(1), cutlass.Boolean(False), stream, options=options)
     g2 = cute.compile(
-        gemm2.make_kernel("w4a16", tile, cfg), vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32),
+        gemm2.make_kernel("w4a16", tile, cfg[1]), vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32),
         vector(u8, 16), vector(u8, 16), vector(Float32), vector(Float32), vector(Int32), vector(Int32),
         vector(Int32), vector(Int32), vector(BFloat16, 16), Int32(128), Int32(128), Int32(128), Int32(0), Int32(1),
         cutlass.Boolean(False), Int32(1), cutlass.Boolean(False), stream, options=options)
@@ -279,15 +260,16 @@ def main():
     from moe_ext.kernels.sm90 import stream as streaming
 
     tile = args.tile
-    base = streaming.config_for(tile)
     dummies = {"u8": torch.zeros(16, dtype=torch.uint8, device="cuda"),
                "f32": torch.zeros(4, dtype=torch.float32, device="cuda")}
     layers = [make_layer(name, args.tokens, tile, args.rotations, seed=7, split_factor=args.split_factor)
               for name in args.shapes.split(",")]
-    rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rev = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"], capture_output=True,
+                         text=True).stdout.strip()
     records, reference = [], {}
     for variant in args.variants.split(","):
-        cfg = dataclasses.replace(base, **VARIANTS.get(variant, PROBE_CONFIGS.get(variant, {})))
+        over = VARIANTS.get(variant, {})
+        cfg = tuple(dataclasses.replace(streaming.config_for(tile, gemm), **over) for gemm in (1, 2))
         start = time.perf_counter()
         patches = PROBES.get(variant, {})
         owners = {name: (ptx if name.startswith("ptx.") else streaming) for name in patches}
@@ -298,7 +280,7 @@ def main():
             g1, g2 = compile_pair(cfg, tile)
         except Exception as exc:  # a variant that does not compile is reported, the others still run
             log(f"{variant}: compile failed: {type(exc).__name__}: {exc}")
-            records.append(dict(variant=variant, config=dataclasses.asdict(cfg), error=str(exc)[:2000]))
+            records.append(dict(variant=variant, config=[dataclasses.asdict(c) for c in cfg], error=str(exc)[:2000]))
             continue
         finally:
             for name, fn in saved.items():
@@ -324,7 +306,7 @@ def main():
             us2 = time_graph(lambda: [run_gemm2(g2, layer, i, dummies) for i in range(n)], args.iters) / n
             rec = dict(variant=variant, shape=layer.name, T=args.tokens, tile=tile, splits=layer.splits,
                        gemm1_us=round(us1, 2), gemm2_us=round(us2, 2), bitwise_equal_to_default=equal,
-                       config=dataclasses.asdict(cfg), git_rev=rev, command=" ".join(sys.argv))
+                       config=[dataclasses.asdict(c) for c in cfg], git_rev=rev, command=" ".join(sys.argv))
             records.append(rec)
             log(f"  {layer.name:16s} T={args.tokens} tile={tile} splits={layer.splits} GEMM1 {us1:8.2f} us  GEMM2 {us2:8.2f} us"
                 f"  equal={equal}")

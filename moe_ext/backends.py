@@ -174,11 +174,14 @@ def select_tactic(problem: MoEProblem, backend, tactic, op: str, out: torch.Tens
 
 
 def profiling_problem(problem: MoEProblem) -> MoEProblem:
-    """The problem the tuner times candidates on: the caller's tensors with a uniform random routing (fixed seed) in
-    place of the caller's. The tactic is kept for the whole token bucket, so it must not hang on one call's routing:
-    a first call that sends no slot (or every slot) to this rank's experts would otherwise pick a tactic that is
-    fastest at doing nothing. Uniform load is also what the untuned heuristic assumes."""
-    gen = torch.Generator(device=problem.device).manual_seed(0)
-    scores = torch.rand(problem.num_tokens, problem.num_experts, generator=gen, device=problem.device)
-    ids = scores.topk(problem.top_k, dim=1).indices.to(torch.int32)
+    """The problem the tuner times candidates on: the caller's tensors with an evenly spread routing in place of
+    the caller's. The tactic is kept for the whole token bucket, so it must not hang on one call's routing: a first
+    call that sends no slot (or every slot) to this rank's experts would pick a tactic that is fastest at doing
+    nothing, and at T=1 even one random routing does that to an EP rank a third of the time. Slot s of the T*K
+    goes to expert s * E // (T*K) while T*K <= E (evenly spaced, so each EP rank gets its share), else to s % E:
+    every expert then gets the mean load the untuned heuristic assumes, and a token's K experts are distinct."""
+    slots = problem.num_tokens * problem.top_k
+    s = torch.arange(slots, device=problem.device)
+    ids = s * problem.num_experts // slots if slots <= problem.num_experts else s % problem.num_experts
+    ids = ids.to(torch.int32).reshape(problem.num_tokens, problem.top_k)
     return dataclasses.replace(problem, token_selected_experts=ids)

@@ -11,7 +11,9 @@ tensors only check the per-call tensors (activations, routing, scales) and re-is
 Capture recipe (GPU): construct with `use_cuda_graph=True` and `max_num_tokens`; run once eagerly per token
 bucket (inside `autotune(True)` if you tune) so kernels are compiled and tactics chosen; then capture
 `wrapper.run(...)` in `torch.cuda.graph(g)` over static input tensors and replay it after copying new
-activations and routing into them. No allocation, host sync or compile happens inside a captured run.
+activations and routing into them. No allocation, host sync or compile happens inside a captured run. Such a
+wrapper times its candidate tactics as graph replays, as it will run, so host launch cost does not decide
+between them at small T.
 
 Localized execution (semantics §4): `localized=True` makes two SM partitions (green contexts of
 `localized_sm_count` SMs each, with their streams and memory pools) once; `localize(prepared_weights)` builds
@@ -208,5 +210,6 @@ class CuteDslMoEWrapper:
         workspace = self._workspace_for(problem.num_tokens)
         out = workspace.output[:problem.num_tokens]
         backend = backend_for(problem)
-        chosen = select_tactic(problem, backend, tactic, "CuteDslMoEWrapper.run", out, workspace)
+        chosen = select_tactic(problem, backend, tactic, "CuteDslMoEWrapper.run", out, workspace,
+                               use_cuda_graph=self.use_cuda_graph and problem.device.type == "cuda")
         return backend.run(problem, chosen, out, workspace)

@@ -71,3 +71,15 @@ def test_launcher_table_generation_from_a_header(tmp_path):
     strided = header.replace("int32_t dynamic_shapes[1];", "int32_t dynamic_shapes[2]; int64_t dynamic_strides[1];")
     with pytest.raises(ValueError, match="only flat tensors"):
         parse_signature(strided, "k")
+
+
+@pytest.mark.parametrize("gemm", [1, 2])
+@pytest.mark.parametrize("tokens", [8, 64, 128])
+def test_streaming_configs_that_ask_for_two_ctas_per_sm_fit_two(tokens, gemm):
+    """min_blocks_per_mp=2 caps registers at 128 a thread; shared memory (plus the 1 KB the driver reserves per
+    CTA) and threads must let two CTAs share the SM's 227 KB and 64K registers, or the request is a lie."""
+    from moe_ext.kernels.sm90 import stream
+
+    c = stream.config_for(tokens, gemm)
+    assert c.ctas_per_sm * (stream.shared_bytes(tokens, c) + 1024) <= 232448
+    assert c.ctas_per_sm * c.threads * 128 <= 65536

@@ -127,10 +127,10 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     assert launcher.default_tactic(128, 1, 8, 8, 2048, 1024, tiles, 132, True, mixed=False) == (128, 1, 2)
 
 
-def test_tuning_times_candidates_on_a_uniform_routing_not_on_the_callers(tuner):
+def test_tuning_times_candidates_on_an_even_routing_not_on_the_callers(tuner):
     """A bucket's tactic must not hang on its first call's routing: with expert parallelism a T=1 call often sends
-    no slot to this rank, and every tactic then ties at doing nothing. The candidates run on a uniform random
-    routing of the same shape (fixed seed); the caller's own run then uses the caller's routing."""
+    no slot to this rank, and every tactic then ties at doing nothing. The candidates run on an evenly spread
+    routing of the same shape (this rank gets its mean share); the caller's own run then uses the caller's."""
     from moe_ext import backends
 
     case = make_case("w4a16", num_tokens=4, top_k=2, num_experts=8, ep=4, rank=1)
@@ -154,12 +154,44 @@ def test_tuning_times_candidates_on_a_uniform_routing_not_on_the_callers(tuner):
     with autotune(True):
         backends.select_tactic(problem, Recorder(), None, "op", None, None)
     assert seen, "candidates were profiled"
-    local = [((ids >= case.offset) & (ids < case.offset + case.num_local)).sum() for ids in seen]
-    assert all(int(n) > 0 for n in local)  # 8 slots over 8 experts: this rank's 2 see about 2 of them
+    local = [int(((ids >= case.offset) & (ids < case.offset + case.num_local)).sum()) for ids in seen]
+    assert local == [2] * len(seen)  # 8 slots over 8 experts: this rank's 2 experts get one each
     assert all(torch.equal(ids, seen[0]) for ids in seen)  # one routing for every candidate
     assert all(len(set(row.tolist())) == 2 for row in seen[0])  # top-k distinct experts per token
+    # T=1 (K=8 of 256 experts, 32 a rank): one slot lands on every rank, as the mean load says.
+    one = build_problem(**make_case("w4a16", num_tokens=1, top_k=8, num_experts=256, ep=8, rank=5).kwargs())
+    ids = backends.profiling_problem(one).token_selected_experts
+    assert [int(((ids >= 32 * r) & (ids < 32 * r + 32)).sum()) for r in range(8)] == [1] * 8
     # Cached now: later calls do not profile again.
     seen.clear()
     with autotune(True):
         backends.select_tactic(problem, Recorder(), None, "op", None, None)
     assert seen == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_graph_wrapper_times_its_candidates_as_graph_replays(tuner, monkeypatch):
+    """A wrapper built for capture is replayed in graphs, so its tuner times graph replays: eager timings at small
+    T measure host launch cost, which is the same for every tactic."""
+    from conftest import RUN_ARGS
+
+    from moe_ext import tuning
+
+    modes = []
+    real_profile = tuning.profile
+
+    def spy(run, tactic, device, warmup, repeats, use_cuda_graph):
+        modes.append(use_cuda_graph)
+        return real_profile(run, tactic, device, 1, 1, use_cuda_graph)
+
+    monkeypatch.setattr(tuning, "profile", spy)
+    case = make_case("w4a16", num_tokens=4)
+    kwargs = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.kwargs().items() if k in RUN_ARGS}
+    for use_cuda_graph in (True, False):
+        tuner.cache.clear()
+        modes.clear()
+        wrapper = moe_ext.CuteDslMoEWrapper(case.num_experts, 2, 128, 128, quant_mode="w4a16", device="cuda",
+                                            use_cuda_graph=use_cuda_graph, max_num_tokens=4)
+        with autotune(True):
+            wrapper.run(**kwargs)
+        assert modes and set(modes) == {use_cuda_graph}

@@ -30,14 +30,14 @@ MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 
 
 def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig | None = None):
-    """cfg: the mainloop's configuration (default stream.config_for(tokens); benchmarks/stream_variants.py
+    """cfg: the mainloop's configuration (default stream.config_for(tokens, 1); benchmarks/stream_variants.py
     times others)."""
     gated = kind != "relu2"
     a_format = {"w4a16": "bf16", "w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}[mode]
     b_block = 32 if mode == "w4a8" else 16
     a_block = 32 if a_format == "mxfp8" else 16  # activation scale block (NVFP4 16, MXFP8 32)
     out_format = {"w4a16": "bf16", "w4a4": "nvfp4", "w4a4_pt": "bf16", "w4a8": "mxfp8"}[mode]
-    cfg = cfg or streaming.config_for(tokens)
+    cfg = cfg or streaming.config_for(tokens, 1)
 
     @cute.kernel
     def gemm1_kernel(x_bf16: cute.Tensor, x_q: cute.Tensor, x_sf: cute.Tensor, per_token_scale: cute.Tensor,
@@ -119,7 +119,8 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
                      tile_to_mn_limit, num_live_tiles, out_bf16, out_q, out_sf, fc2_input_scale, hidden, n1, inter,
                      col_offset, top_k, p0, p1, p2, p3, k_split).launch(
             grid=(cute.size(tile_to_expert), n1 // cfg.rows, k_split), block=(cfg.threads, 1, 1),
-            cluster=(1, 1, k_split), stream=stream, use_pdl=pdl)
+            cluster=(1, 1, k_split), stream=stream, use_pdl=pdl, min_blocks_per_mp=cfg.ctas_per_sm,
+            preferred_smem_carveout=100)
 
     return launch
 

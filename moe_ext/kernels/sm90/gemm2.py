@@ -47,7 +47,7 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
     a_format = {"w4a16": "bf16", "w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}[mode]
     b_block = 32 if mode == "w4a8" else 16
     a_block = 32 if a_format == "mxfp8" else 16  # activation scale block (NVFP4 16, MXFP8 32)
-    cfg = cfg or streaming.config_for(tokens)
+    cfg = cfg or streaming.config_for(tokens, 2)
     cols_per_thread = cfg.rows * tokens // cfg.threads  # epilogue: output columns per thread
 
     @cute.kernel
@@ -109,7 +109,8 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
                      tile_to_expert, tile_to_mn_limit, num_live_tiles, out, hidden, inter, out_pitch, col_offset,
                      top_k, fused, k_split).launch(
             grid=(cute.size(tile_to_expert), hidden // cfg.rows, k_split), block=(cfg.threads, 1, 1),
-            cluster=(1, 1, k_split), stream=stream, use_pdl=pdl)
+            cluster=(1, 1, k_split), stream=stream, use_pdl=pdl, min_blocks_per_mp=cfg.ctas_per_sm,
+            preferred_smem_carveout=100)
 
     return launch
 

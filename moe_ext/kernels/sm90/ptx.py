@@ -35,53 +35,6 @@ def cp_async_4(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> None
 
 
 @dsl_user_op
-def mbarrier_init(bar: Int32, count: int, *, loc=None, ip=None) -> None:
-    _asm(0, [Int32(bar)], f"mbarrier.init.shared::cta.b64 [$0], {count};", "r,~{memory}", side_effects=True)
-
-
-@dsl_user_op
-def fence_mbarrier_init(*, loc=None, ip=None) -> None:
-    """Make mbarrier inits visible to the async proxy (the bulk copies' complete_tx); a CTA barrier follows."""
-    _asm(0, [], "fence.mbarrier_init.release.cluster;", "~{memory}", side_effects=True)
-
-
-@dsl_user_op
-def mbarrier_arrive_expect_tx(bar: Int32, nbytes: Int32, *, loc=None, ip=None) -> None:
-    _asm(0, [Int32(bar), Int32(nbytes)], "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}",
-         side_effects=True)
-
-
-@dsl_user_op
-def mbarrier_wait_parity(bar: Int32, parity: Int32, *, loc=None, ip=None) -> None:
-    """Spin (try_wait suspends between polls) until the phase with this parity has completed."""
-    _asm(0, [Int32(bar), Int32(parity)],
-         "{ .reg .pred done; WAIT_${:uid}: mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1; "
-         "@!done bra WAIT_${:uid}; }", "r,r,~{memory}", side_effects=True)
-
-
-@dsl_user_op
-def cp_async_bulk(dst: Int32, src: Int64, nbytes: Int32, bar: Int32, *, loc=None, ip=None) -> None:
-    """`nbytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared through the copy engine; the
-    bytes are counted on mbarrier `bar` (complete_tx) when they land."""
-    _asm(0, [Int32(dst), Int64(src), Int32(nbytes), Int32(bar)],
-         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-         "r,l,r,r,~{memory}", side_effects=True)
-
-
-@dsl_user_op
-def atomic_add_shared_acq_rel(addr: Int32, value: Int32, *, loc=None, ip=None) -> Int32:
-    """Old value of the shared counter at `addr`, incremented with acquire-release ordering (CTA scope)."""
-    return Int32(_asm(1, [Int32(addr), Int32(value)], "atom.acq_rel.cta.shared::cta.add.u32 $0, [$1], $2;",
-                      "=r,r,r,~{memory}", side_effects=True))
-
-
-@dsl_user_op
-def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
-    """Order this thread's generic-proxy shared accesses before later async-proxy ones (bulk copies)."""
-    _asm(0, [], "fence.proxy.async.shared::cta;", "~{memory}", side_effects=True)
-
-
-@dsl_user_op
 def cp_async_commit(*, loc=None, ip=None) -> None:
     _asm(0, [], "cp.async.commit_group;", "~{memory}", side_effects=True)
 

@@ -47,10 +47,7 @@ class StreamConfig:
     k_step: int = 128  # K per pipeline stage
     stages: int = 6  # ring depth: 6 x 40 bytes per thread in flight
     token_elems: int = 32768  # bf16 elements of the shared token tile (64 KB): tokens x K-chunk
-    unroll: int = 0  # mainloop iterations to unroll (0: the compiler decides)
-    ring: str = "cp_async"  # weight ring: per-thread cp.async slots, or "bulk" copy-engine stages (below)
-    sub_steps: int = 2  # bulk: 128-K steps per stage
-    bulk_stages: int = 6  # bulk: ring depth
+    ctas_per_sm: int = 1  # CTAs the launch asks to fit per SM (2 caps registers at 128 for 256 threads)
 
     @property
     def rows(self) -> int:
@@ -61,10 +58,26 @@ class StreamConfig:
         return 32 * self.warps * self.k_slices
 
 
-def config_for(tokens: int) -> StreamConfig:
-    """Decode tiles (8 tokens) are latency-bound: one warp's step is a chain of dependent shared loads, decode and
-    MMAs, so two warp groups split K (twice the bytes in flight per CTA). Larger tiles have MMA work enough."""
-    return StreamConfig(k_slices=2 if tokens <= 8 else 1)
+def config_for(tokens: int, gemm: int) -> StreamConfig:
+    """The mainloop of GEMM `gemm` (1 or 2) on `tokens`-token tiles, as measured on the H200
+    (benchmarks/results/h200_stream_variants.md).
+
+    A CTA's fixed costs (launch, prologue, token staging, accumulator exchange, epilogue) take 2-7 us per wave and
+    leave the SM's weight stream idle, so where it pays, two 8-warp CTAs share an SM: one streams while the other
+    starts or finishes. That needs a 4-stage ring (shared memory under half the SM's) and at most 128 registers a
+    thread. It is 8-29% faster for GEMM1 on 8-token tiles and for both GEMMs on 64-token tiles. GEMM2 on 8-token
+    tiles keeps one CTA of two 8-warp K slices (twice the bytes in flight): Mixtral's GEMM2 (K = 14336 over 32
+    column tiles) is 1.2-1.4x slower with two CTAs."""
+    if tokens <= 8 and gemm == 2:
+        return StreamConfig(k_slices=2)
+    if tokens <= 64:
+        return StreamConfig(stages=4, ctas_per_sm=2)
+    return StreamConfig()
+
+
+def shared_bytes(tokens: int, c: StreamConfig) -> int:
+    """Dynamic shared memory of one CTA (what allocate() takes)."""
+    return c.stages * c.threads * 40 + 256 * 4 + max(tokens * row_pitch(tokens), tokens * (c.rows + 4) * 4)
 
 
 def chains(tokens: int) -> int:
@@ -93,47 +106,26 @@ def row_pitch(tokens: int) -> int:
     return (k_chunk(tokens) + 8) * 2
 
 
-def bulk_pitch(c: StreamConfig) -> int:
-    """Bytes between weight rows of a bulk stage: 64 of padding put rows r and r + 1 in opposite bank halves, so
-    the 8 lanes of a quarter-warp (two rows, four 16-byte chunks each) read 8 different bank groups."""
-    return c.sub_steps * 64 + 64
-
-
-def sf_step_bytes(block: int) -> int:
-    """Swizzled scale bytes of 128 rows x one 128-K step (NVFP4: two 512-byte tiles, MXFP4: one)."""
-    return 512 * StreamConfig.k_step // block // 4
-
-
 class Smem(NamedTuple):
     threads: int
-    weights: Int32  # shared address of the weight ring: stages x threads x 32 bytes (bulk: stages x 128 x pitch)
-    scales: Int32  # stages x threads x 8 bytes (bulk: stages x sub_steps x 1 KB)
+    weights: Int32  # shared address of the weight ring: stages x threads x 32 bytes
+    scales: Int32  # stages x threads x 8 bytes
     scale_lut: Int32  # 256 x bf16x2: scale byte -> (scale * 2^63, scale * 2^63)
     tokens: Int32  # the token tile
     out: cute.Tensor  # fp32 [tokens, rows] accumulator tile, over the token tile (used after the mainloop)
-    full: Int32  # bulk: one mbarrier per stage (8 bytes each), complete when the stage's bytes have landed
-    released: Int32  # bulk: one counter per stage of the warps done reading it
 
 
 def allocate(tokens: int, c: StreamConfig) -> Smem:
     smem = cutlass.utils.SmemAllocator()
-    full = released = Int32(0)
-    if c.ring == "bulk":
-        ring_w = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(c.bulk_stages * c.rows * bulk_pitch(c)), 16)
-        ring_s = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(c.bulk_stages * c.sub_steps * 1024), 16)
-        bars = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(c.bulk_stages * 12), 16)
-        full = bars.iterator.toint()
-        released = full + 8 * c.bulk_stages
-    else:
-        ring_w = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(c.stages * c.threads * 32), 16)
-        ring_s = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(c.stages * c.threads * 8), 16)
+    ring_w = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(c.stages * c.threads * 32), 16)
+    ring_s = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(c.stages * c.threads * 8), 16)
     lut = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(256 * 4), 16)
     tile_bytes = max(tokens * row_pitch(tokens), tokens * (c.rows + 4) * 4)
     tile = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(tile_bytes), 16)
     out = cute.make_tensor(cute.recast_ptr(tile.iterator, dtype=Float32),
                            cute.make_layout((tokens, c.rows), stride=(c.rows + 4, 1)))
     return Smem(c.threads, ring_w.iterator.toint(), ring_s.iterator.toint(), lut.iterator.toint(),
-                tile.iterator.toint(), out, full, released)
+                tile.iterator.toint(), out)
 
 
 def fill_scale_lut(sm: Smem, tid, block: int) -> None:
@@ -204,32 +196,6 @@ def consume_step(sm: Smem, tid, stage, tile_offset, acc: cute.Tensor, tokens: in
     sslot = sm.scales + (stage * sm.threads + tid) * 8
     s0 = _scale_pairs(sm, ptx.ld_shared_b32(sslot), tid, block)
     s1 = _scale_pairs(sm, ptx.ld_shared_b32(sslot + 4), tid, block)
-    multiply_step(sm, tid, w0, w1, s0, s1, tile_offset, acc, tokens)
-
-
-def consume_bulk_step(sm: Smem, tid, slot, sub, tile_offset, acc: cute.Tensor, tokens: int, block: int,
-                      c: StreamConfig):
-    """consume_step for 128-K step `sub` of bulk stage `slot`: the same registers, read from the stage's rows (this
-    thread's rows r and r + 8, 16 bytes at 32 t of the step) and its copy of the swizzled scale tiles."""
-    lane = tid % 32
-    r = ((tid // 32) % c.warps) * 16 + lane // 4
-    t = lane % 4
-    rows = sm.weights + slot * (c.rows * bulk_pitch(c)) + sub * 64 + t * 16
-    w0 = ptx.ld_shared_v4(rows + r * bulk_pitch(c))
-    w1 = ptx.ld_shared_v4(rows + (r + 8) * bulk_pitch(c))
-    tiles = sm.scales + slot * (c.sub_steps * 1024) + sub * sf_step_bytes(block) + (t // 2 if block == 16 else 0) * 512
-
-    def group(row):
-        return ptx.ld_shared_b32(tiles + (row % 32) * 16 + (row // 32) * 4)
-
-    s0 = _scale_pairs(sm, group(r), tid, block)
-    s1 = _scale_pairs(sm, group(r + 8), tid, block)
-    multiply_step(sm, tid, w0, w1, s0, s1, tile_offset, acc, tokens)
-
-
-def multiply_step(sm: Smem, tid, w0: list, w1: list, s0: list, s1: list, tile_offset, acc: cute.Tensor,
-                  tokens: int):
-    """Decode this thread's 16 bytes of rows r and r + 8 (with their bf16x2 scales) and multiply them into acc."""
     lane = tid % 32
     t = lane % 4
     swap = (t >> 1) << 1  # the tile's 16-byte chunk swizzle (see stage_chunk)
@@ -247,67 +213,6 @@ def multiply_step(sm: Smem, tid, w0: list, w1: list, s0: list, s1: list, tile_of
                                        [b[2 * h], b[2 * h + 1]], c)
                 for i in range(4):
                     acc[base + i] = d[i]
-
-
-class BulkSource(NamedTuple):
-    """Global addresses of a CTA's 128 weight rows (row 0 at K = 0; rows `stride` bytes apart) and of its scale
-    tiles at K = 0: 128 rows of the 128x4 layout are one tile row, so each 128-K step's scales are
-    sf_step_bytes contiguous bytes, and consecutive steps are consecutive."""
-
-    rows: Int64
-    stride: Int64
-    scales: Int64
-
-
-def bulk_source(w: cute.Tensor, w_sf: cute.Tensor, expert, first_row, rows_per_expert, k_extent,
-                block: int) -> BulkSource:
-    stride = Int64(k_extent // 2)
-    rows = w.iterator.toint() + (Int64(expert) * Int64(rows_per_expert) + Int64(first_row)) * stride
-    scales = w_sf.iterator.toint() + Int64(swizzled_sf_offset(expert, first_row, 0, rows_per_expert,
-                                                              k_extent // block))
-    return BulkSource(rows, stride, scales)
-
-
-@cute.jit
-def issue_bulk_stage(sm: Smem, lane, src: BulkSource, first_step, stage, steps, block: cutlass.Constexpr,
-                     c: cutlass.Constexpr):
-    """One warp starts the copies of stage `stage` (its steps [stage * S, min(stage * S + S, steps)) of the run
-    starting at step `first_step`) into slot stage % bulk_stages: lane l copies rows 4l .. 4l + 3, lane 0 also
-    the scale tiles, after announcing the byte count on the slot's full barrier."""
-    slot = stage % c.bulk_stages
-    bar = sm.full + slot * 8
-    n = cute.math.min(c.sub_steps, steps - stage * c.sub_steps)
-    step = first_step + stage * c.sub_steps
-    if lane == 0:
-        ptx.mbarrier_arrive_expect_tx(bar, n * (c.rows * 64 + sf_step_bytes(block)))
-    cute.arch.sync_warp()
-    if lane == 0:
-        ptx.cp_async_bulk(sm.scales + slot * (c.sub_steps * 1024), src.scales + Int64(step) * sf_step_bytes(block),
-                          n * sf_step_bytes(block), bar)
-    dst = sm.weights + slot * (c.rows * bulk_pitch(c))
-    for q in cutlass.range_constexpr(c.rows // 32):
-        r = lane * (c.rows // 32) + q
-        ptx.cp_async_bulk(dst + r * bulk_pitch(c), src.rows + Int64(r) * src.stride + Int64(step) * 64, n * 64, bar)
-
-
-@cute.jit
-def release_bulk_stage(sm: Smem, lane, src: BulkSource, first_step, stage, steps, block: cutlass.Constexpr,
-                       c: cutlass.Constexpr):
-    """This warp is done reading stage `stage`. The last of the CTA's warps to say so refills the slot with stage
-    `stage + bulk_stages`, so no warp ever waits for a producer (the atomic's acquire-release orders every
-    warp's reads of the slot before the refill; the proxy fence orders them before the copy engine's writes)."""
-    cute.arch.sync_warp()
-    slot = stage % c.bulk_stages
-    done = Int32(0)
-    if lane == 0:
-        done = ptx.atomic_add_shared_acq_rel(sm.released + slot * 4, Int32(1))
-    done = cute.arch.shuffle_sync(done, 0)
-    if done == c.warps * c.k_slices - 1:
-        if lane == 0:
-            ptx.st_shared_b32(sm.released + slot * 4, Int32(0))
-        if stage + c.bulk_stages < (steps + c.sub_steps - 1) // c.sub_steps:
-            ptx.fence_proxy_async_shared()
-            issue_bulk_stage(sm, lane, src, first_step, stage + c.bulk_stages, steps, block, c)
 
 
 def tile_address(sm: Smem, tokens: int, row, chunk) -> Int32:
@@ -413,9 +318,7 @@ def accumulate(sm, tid, w, w_sf, expert, first_row, rows_per_expert, k_extent, r
     The k_split CTAs of a cluster take contiguous runs of K steps; inside a CTA, K slice `part` takes every
     k_slices-th step of the run: its j-th step is first + j * k_slices + part.
     """
-    rows = None
-    if cutlass.const_expr(cfg.ring != "bulk"):
-        rows = weight_rows(w, w_sf, expert, first_row, tid, rows_per_expert, k_extent, block, cfg)
+    rows = weight_rows(w, w_sf, expert, first_row, tid, rows_per_expert, k_extent, block, cfg)
     fill_scale_lut(sm, tid, block)  # read after the first staging barrier below
     acc = cute.make_rmem_tensor((accumulator_size(tokens),), Float32)
     acc.fill(0.0)
@@ -423,11 +326,30 @@ def accumulate(sm, tid, w, w_sf, expert, first_row, rows_per_expert, k_extent, r
     first, steps = k_range(k_extent // cfg.k_step, rank, k_split)
     k_end = (first + steps) * cfg.k_step
     part = tid // (cfg.threads // cfg.k_slices)
-    if cutlass.const_expr(cfg.ring == "bulk"):
-        bulk_mainloop(sm, tid, w, w_sf, expert, first_row, rows_per_expert, k_extent, first, steps, k_end, part, acc,
-                      tokens, cfg, block, load_group)
-    else:
-        ring_mainloop(sm, tid, rows, first, steps, k_end, part, acc, tokens, cfg, block, load_group)
+    my_steps = (steps - part + cfg.k_slices - 1) // cfg.k_slices
+    for s in cutlass.range_constexpr(cfg.stages - 1):
+        if s < my_steps:
+            issue_step(sm, tid, s, rows, first + s * cfg.k_slices + part, block)
+        ptx.cp_async_commit()
+    for j in cutlass.range((steps + cfg.k_slices - 1) // cfg.k_slices):
+        k_run = j * cfg.k_slices * cfg.k_step  # K offset inside this CTA's run
+        if k_run % chunk == 0:
+            # Stage this K-chunk of the token rows, decoded to bf16, in the tile order.
+            cute.arch.sync_threads()
+            for m in cutlass.range_constexpr(chunk_tasks(tokens, cfg)):
+                task = tid + m * cfg.threads
+                r = task // (chunk // 8)
+                c = task % (chunk // 8)
+                values, valid = load_group(r, first * cfg.k_step + k_run + c * 8, k_end)
+                store_chunk(sm, tokens, r, c, values, valid)
+            cute.arch.sync_threads()
+        if j + cfg.stages - 1 < my_steps:
+            issue_step(sm, tid, (j + cfg.stages - 1) % cfg.stages, rows,
+                       first + (j + cfg.stages - 1) * cfg.k_slices + part, block)
+        ptx.cp_async_commit()
+        ptx.cp_async_wait(cfg.stages - 1)
+        if j < my_steps:
+            consume_step(sm, tid, j % cfg.stages, (k_run % chunk + part * cfg.k_step) * 2, acc, tokens, block)
     cute.arch.sync_threads()
     for sl in cutlass.range_constexpr(cfg.k_slices):
         if part == sl:
@@ -441,78 +363,3 @@ def accumulate(sm, tid, w, w_sf, expert, first_row, rows_per_expert, k_extent, r
             add_peer_accumulators(sm, tid, peer, tokens, cfg)
     cute.arch.cluster_arrive()
     cute.arch.cluster_wait()
-
-
-@cute.jit
-def stage_tokens(sm, tid, first, k_run, k_end, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr,
-                 load_group: cutlass.Constexpr):
-    """Stage the K-chunk at k_run (inside the run starting at step `first`) of the token rows, decoded to bf16,
-    in the tile order, between two CTA barriers."""
-    chunk = k_chunk(tokens)
-    cute.arch.sync_threads()
-    for m in cutlass.range_constexpr(chunk_tasks(tokens, cfg)):
-        task = tid + m * cfg.threads
-        r = task // (chunk // 8)
-        c = task % (chunk // 8)
-        values, valid = load_group(r, first * cfg.k_step + k_run + c * 8, k_end)
-        store_chunk(sm, tokens, r, c, values, valid)
-    cute.arch.sync_threads()
-
-
-@cute.jit
-def bulk_mainloop(sm, tid, w, w_sf, expert, first_row, rows_per_expert, k_extent, first, steps, k_end, part,
-                  acc: cute.Tensor, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
-                  load_group: cutlass.Constexpr):
-    """Stages of cfg.sub_steps 128-K steps arrive by bulk copies (one per weight row, one for the scale tiles),
-    counted on the stage's full barrier; K slice `part` takes steps part, part + k_slices, ... of each stage."""
-    chunk = k_chunk(tokens)
-    assert chunk % (cfg.sub_steps * cfg.k_step) == 0 and cfg.sub_steps % cfg.k_slices == 0
-    src = bulk_source(w, w_sf, expert, first_row, rows_per_expert, k_extent, block)
-    lane = tid % 32
-    if tid == 0:
-        for s in cutlass.range_constexpr(cfg.bulk_stages):
-            ptx.mbarrier_init(sm.full + s * 8, 1)
-            ptx.st_shared_b32(sm.released + s * 4, Int32(0))
-        ptx.fence_mbarrier_init()
-    cute.arch.sync_threads()
-    num_stages = (steps + cfg.sub_steps - 1) // cfg.sub_steps
-    if tid < 32:
-        for s in cutlass.range_constexpr(cfg.bulk_stages):
-            if s < num_stages:
-                issue_bulk_stage(sm, lane, src, first, s, steps, block, cfg)
-    for i in cutlass.range(num_stages, unroll=cfg.unroll):
-        k_run = i * cfg.sub_steps * cfg.k_step
-        if k_run % chunk == 0:
-            stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group)
-        slot = i % cfg.bulk_stages
-        ptx.mbarrier_wait_parity(sm.full + slot * 8, (i // cfg.bulk_stages) % 2)
-        for u in cutlass.range_constexpr(cfg.sub_steps // cfg.k_slices):
-            sub = u * cfg.k_slices + part
-            if i * cfg.sub_steps + sub < steps:
-                consume_bulk_step(sm, tid, slot, sub, (k_run % chunk + sub * cfg.k_step) * 2, acc, tokens, block,
-                                  cfg)
-        release_bulk_stage(sm, lane, src, first, i, steps, block, cfg)
-
-
-@cute.jit
-def ring_mainloop(sm, tid, rows: WeightRows, first, steps, k_end, part, acc: cute.Tensor, tokens: cutlass.Constexpr,
-                  cfg: cutlass.Constexpr, block: cutlass.Constexpr, load_group: cutlass.Constexpr):
-    """Each thread copies its own ring slots (cp.async, cfg.stages deep; `rows` from weight_rows) and waits on its
-    own groups."""
-    chunk = k_chunk(tokens)
-    my_steps = (steps - part + cfg.k_slices - 1) // cfg.k_slices
-    for s in cutlass.range_constexpr(cfg.stages - 1):
-        if s < my_steps:
-            issue_step(sm, tid, s, rows, first + s * cfg.k_slices + part, block)
-        ptx.cp_async_commit()
-    for j in cutlass.range((steps + cfg.k_slices - 1) // cfg.k_slices, unroll=cfg.unroll):
-        k_run = j * cfg.k_slices * cfg.k_step  # K offset inside this CTA's run
-        if k_run % chunk == 0:
-            stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group)
-        if j + cfg.stages - 1 < my_steps:
-            issue_step(sm, tid, (j + cfg.stages - 1) % cfg.stages, rows,
-                       first + (j + cfg.stages - 1) * cfg.k_slices + part, block)
-        ptx.cp_async_commit()
-        ptx.cp_async_wait(cfg.stages - 1)
-        if j < my_steps:
-            consume_step(sm, tid, j % cfg.stages, (k_run % chunk + part * cfg.k_step) * 2, acc, tokens, block)
