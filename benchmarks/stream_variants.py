@@ -1,16 +1,18 @@
 """Decode-time variants of the streaming GEMMs' mainloop (moe_ext/kernels/sm90/stream.py), timed alone.
 
-Each variant is a stream.StreamConfig; GEMM1 (w4a16, SwiGLU) and GEMM2 (w4a16, deterministic slot rows) are
-JIT-compiled with it through TVM-FFI on the GPU machine (source the offline CuTe-DSL env.sh first) and launched
-on the same inputs as the default configuration. A variant changes scheduling, not arithmetic, so its outputs
-must equal the default's bitwise; a mismatch is reported and the variant's time is not.
+Each variant sets stream.StreamConfig fields on top of each GEMM's stream.config_for; GEMM1 (w4a16, SwiGLU) and
+GEMM2 (w4a16, deterministic slot rows) are JIT-compiled with it through TVM-FFI on the GPU machine (source the
+offline CuTe-DSL env.sh first) and launched on the same inputs as the default configuration. Each record says
+whether its outputs equal the default's bitwise: a variant that only reschedules must; one that changes the K-slice
+count changes the fp32 summation order. Probes (PROBES) replace parts of the mainloop to see where time goes;
+their outputs are wrong by design.
 
 Timing: one CUDA graph holds `--rotations` launches, each on its own random routing (different experts, so the
 weights stream from DRAM, not L2); replays are timed with CUDA events, median over `--iters` replays, divided by
 the launches. Weights are random bytes (e2m1 codes, e4m3 scales in [2^-3, 2^2)).
 
     . /tmp/cutedsl-4.8.1-py312/env.sh
-    python3 benchmarks/stream_variants.py --variants default,unroll2 --out variants.json
+    python3 benchmarks/stream_variants.py --variants default,slices2_stages6,probe_no_load --out variants.json
 """
 from __future__ import annotations
 
