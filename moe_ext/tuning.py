@@ -140,32 +140,35 @@ class AutoTuner:
 
 
 def profile(run: Callable[[Tactic], None], tactic: Tactic, device: torch.device, warmup: int, repeats: int,
-            use_cuda_graph: bool) -> float:
+            use_cuda_graph: bool, budget_s: float = 2e-3, max_repeats: int = 25) -> float:
     """Median seconds of one run of `tactic`; through CUDA-graph replay when asked, so launch cost does not
-    decide between tactics at small T."""
+    decide between tactics at small T. At least `repeats` samples, and more (up to `max_repeats`) while they
+    add up to under `budget_s`: a decode forward of tens of microseconds gets a median that separates tactics a
+    few percent apart, a prefill forward of milliseconds is not timed for longer than it needs."""
     for _ in range(warmup):
         run(tactic)
-    if device.type != "cuda":
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run(tactic)
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-    stream = torch.cuda.current_stream(device)
     graph = None
-    if use_cuda_graph:
+    if device.type == "cuda" and use_cuda_graph:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run(tactic)
-    samples = []
-    for _ in range(repeats):
+
+    def sample() -> float:
+        if device.type != "cuda":
+            start = time.perf_counter()
+            run(tactic)
+            return time.perf_counter() - start
+        stream = torch.cuda.current_stream(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         graph.replay() if graph is not None else run(tactic)
         end.record(stream)
         end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
+        return start.elapsed_time(end) / 1e3
+
+    samples = []
+    while len(samples) < repeats or (len(samples) < max_repeats and sum(samples) < budget_s):
+        samples.append(sample())
     return statistics.median(samples)
 
 

@@ -195,3 +195,28 @@ def test_a_graph_wrapper_times_its_candidates_as_graph_replays(tuner, monkeypatc
         with autotune(True):
             wrapper.run(**kwargs)
         assert modes and set(modes) == {use_cuda_graph}
+
+
+def test_profile_takes_more_samples_of_short_runs_and_few_of_long_ones():
+    """A stable median at decode needs many samples of a tens-of-microseconds forward; a long forward is timed
+    only the minimum number of times."""
+    import time as _time
+
+    from moe_ext.tuning import profile
+
+    calls = []
+
+    def quick(tactic):
+        calls.append(tactic)
+
+    profile(quick, (1,), torch.device("cpu"), warmup=1, repeats=3, use_cuda_graph=False)
+    assert len(calls) == 1 + 25
+
+    calls.clear()
+
+    def slow(tactic):
+        calls.append(tactic)
+        _time.sleep(0.003)
+
+    profile(slow, (1,), torch.device("cpu"), warmup=1, repeats=3, use_cuda_graph=False)
+    assert len(calls) == 1 + 3
