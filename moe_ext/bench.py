@@ -603,7 +603,7 @@ def measure_moe_ext(run: Run, point: Point, pairs: list[tuple], stats: RoutingSt
     forwards = [lambda i=i, w=w: wrapper.run(**i, **w) for i, w in pairs]
     with moe_ext.autotune(True):
         forwards[0]()
-    return timed(run, point, forwards, stats, weight_copies=copies)
+    return timed(run, point, forwards, stats, weight_copies=copies, tactic=list(wrapper.last_tactic))
 
 
 def run_moe_ext(run: Run, shape: Shape, num_tokens: int, quant_mode: str, dims: tuple[int, int],

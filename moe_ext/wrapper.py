@@ -100,6 +100,7 @@ class CuteDslMoEWrapper:
         self.max_num_tokens = max_num_tokens
         self.workspace: MoEWorkspace | None = None
         self._plans: dict = {}  # (x shape, tactic) -> ForwardPlan of the last validated run (moe_ext/plan.py)
+        self.last_tactic = None  # the tactic the last validated run chose (given, tuned or the heuristic's)
         self.aux_stream = None
         if use_cuda_graph and self.device.type == "cuda":
             # Created outside any capture and reused inside it for the memset / GEMM1 overlap.
@@ -212,4 +213,5 @@ class CuteDslMoEWrapper:
         backend = backend_for(problem)
         chosen = select_tactic(problem, backend, tactic, "CuteDslMoEWrapper.run", out, workspace,
                                use_cuda_graph=self.use_cuda_graph and problem.device.type == "cuda")
+        self.last_tactic = chosen
         return backend.run(problem, chosen, out, workspace)

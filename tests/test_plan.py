@@ -278,3 +278,11 @@ def test_quantized_modes_on_wgmma_decode_x_in_the_routing_launch(monkeypatch, mo
     assert decoded[1] == 5 * 256  # T * H bf16 values
     with pytest.raises(ValueError, match="both GEMMs"):
         fake_forward(monkeypatch, mode, fused, per_token=per_token, tile=launcher.WGMMA_TILE, k_splits=(W, 1))
+
+
+def test_the_wrapper_says_which_tactic_its_last_validated_run_chose():
+    case = make_case("w4a16", num_tokens=4)
+    wrapper = moe_ext.CuteDslMoEWrapper(case.num_experts, 2, 128, 128, quant_mode="w4a16", device="cpu")
+    assert wrapper.last_tactic is None
+    wrapper.run(**{k: v for k, v in case.kwargs().items() if k in RUN_ARGS})
+    assert wrapper.last_tactic == (wrapper.tile_size,)  # the CPU reference path has one tactic: its row tile
