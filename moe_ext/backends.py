@@ -13,7 +13,7 @@ import torch
 from .problem import MoEProblem
 from .reference import reference_moe
 from .routing import compute_routing
-from .tuning import AutoTuner, Tactic, capturing, token_bucket
+from .tuning import AutoTuner, Tactic, token_bucket
 from .workspace import MoEWorkspace
 
 
@@ -164,13 +164,12 @@ def select_tactic(problem: MoEProblem, backend, tactic, op: str, out: torch.Tens
             raise ValueError(f"tactic {tactic} is not valid for the {backend.name} backend on this problem; "
                              f"valid tactics: {candidates}")
         return tactic
-    tuner = AutoTuner.get()
-    key = op_key(problem, backend, op)
-    profiled = problem
-    if tuner.tuning and not capturing() and tuner.lookup(key) not in candidates:
+    def make_run():
         profiled = profiling_problem(problem)
-    return tuner.choose(key, candidates, backend.default_tactic(problem),
-                        lambda t: backend.run(profiled, t, out, workspace), problem.device, use_cuda_graph)
+        return lambda t: backend.run(profiled, t, out, workspace)
+
+    return AutoTuner.get().choose(op_key(problem, backend, op), candidates, backend.default_tactic(problem),
+                                  make_run, problem.device, use_cuda_graph)
 
 
 def profiling_problem(problem: MoEProblem) -> MoEProblem:

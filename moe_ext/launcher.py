@@ -468,9 +468,9 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
             memset_async(out_flat, aux.streams[0])
     on_parts(gemm1)
     if mode == "w4a4_pt":  # the wgmma GEMM2 reads the quantization decoded, in place of h
-        launch("moe_fc2_quant_per_token_bf16" if wgmma else "moe_fc2_quant_per_token", [buf["intermediate_bf16"], routing.permuted_to_expanded, fc2_scale,
-                                           buf["intermediate_q"], buf["intermediate_sf"], buf["row_scale"]],
-               [I], enable_pdl, device)
+        launch("moe_fc2_quant_per_token_bf16" if wgmma else "moe_fc2_quant_per_token",
+               [buf["intermediate_bf16"], routing.permuted_to_expanded, fc2_scale, buf["intermediate_q"],
+                buf["intermediate_sf"], buf["row_scale"]], [I], enable_pdl, device)
     if fused and aux is not None:
         call(aux.join)
     on_parts(gemm2)

@@ -108,13 +108,16 @@ class AutoTuner:
         return self.cache.get(repr(key))
 
     def choose(self, key: tuple, candidates: Sequence[Tactic], default: Tactic,
-               run: Callable[[Tactic], None], device: torch.device, use_cuda_graph: bool = False) -> Tactic:
-        """The tactic to run for `key`: profile the candidates when tuning (and not capturing), else the cache."""
+               make_run: Callable[[], Callable[[Tactic], None]], device: torch.device,
+               use_cuda_graph: bool = False) -> Tactic:
+        """The tactic to run for `key`: profile the candidates when tuning (and not capturing), else the cache.
+        `make_run()` gives the function that runs one tactic; it is called only when profiling."""
         cached = self.lookup(key)
         if cached in candidates:
             return cached
         if not self.tuning or capturing() or len(candidates) == 1:
             return default
+        run = make_run()
         timings = {tactic: profile(run, tactic, device, self.warmup, self.repeats, use_cuda_graph)
                    for tactic in candidates}
         best = min(timings, key=timings.get)

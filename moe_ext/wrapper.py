@@ -212,6 +212,6 @@ class CuteDslMoEWrapper:
         out = workspace.output[:problem.num_tokens]
         backend = backend_for(problem)
         chosen = select_tactic(problem, backend, tactic, "CuteDslMoEWrapper.run", out, workspace,
-                               use_cuda_graph=self.use_cuda_graph and problem.device.type == "cuda")
+                               use_cuda_graph=self.use_cuda_graph)
         self.last_tactic = chosen
         return backend.run(problem, chosen, out, workspace)

@@ -44,23 +44,23 @@ def test_choose_profiles_candidates_once_per_key_and_caches_the_fastest(tuner):
 
     key = ("op", "mode", 8)
     with autotune(True):
-        assert tuner.choose(key, [(1,), (2,)], (2,), run, torch.device("cpu")) == (1,)
+        assert tuner.choose(key, [(1,), (2,)], (2,), lambda: run, torch.device("cpu")) == (1,)
     assert set(calls) == {(1,), (2,)}
     calls.clear()
     # Cached: no profiling, inside or outside autotune.
-    assert tuner.choose(key, [(1,), (2,)], (2,), run, torch.device("cpu")) == (1,)
+    assert tuner.choose(key, [(1,), (2,)], (2,), lambda: run, torch.device("cpu")) == (1,)
     with autotune(True):
-        assert tuner.choose(key, [(1,), (2,)], (2,), run, torch.device("cpu")) == (1,)
+        assert tuner.choose(key, [(1,), (2,)], (2,), lambda: run, torch.device("cpu")) == (1,)
     assert calls == []
     # Not tuning and nothing cached: the backend's default, no profiling.
-    assert tuner.choose(("other",), [(1,), (2,)], (2,), run, torch.device("cpu")) == (2,)
+    assert tuner.choose(("other",), [(1,), (2,)], (2,), lambda: run, torch.device("cpu")) == (2,)
     assert calls == []
 
 
 def test_cache_file_persists_across_restarts(tuner, tmp_path):
     path = tmp_path / "tactics.json"
     with autotune(True, cache=path):
-        tuner.choose(("k", 1), [(3,), (4,)], (4,), lambda t: None, torch.device("cpu"))
+        tuner.choose(("k", 1), [(3,), (4,)], (4,), lambda: lambda t: None, torch.device("cpu"))
     data = json.loads(path.read_text())
     assert data["version"] == 1 and len(data["entries"]) == 1
     tuner.cache.clear()

@@ -75,9 +75,16 @@ def config_for(tokens: int, gemm: int) -> StreamConfig:
     return StreamConfig()
 
 
+def shared_pieces(tokens: int, c: StreamConfig) -> tuple[int, int, int, int]:
+    """Bytes of what allocate() takes: the weight ring, the scale ring, the scale table and the token tile (which
+    the fp32 accumulator tile reuses after the mainloop)."""
+    return (c.stages * c.threads * 32, c.stages * c.threads * 8, 256 * 4,
+            max(tokens * row_pitch(tokens), tokens * (c.rows + 4) * 4))
+
+
 def shared_bytes(tokens: int, c: StreamConfig) -> int:
-    """Dynamic shared memory of one CTA (what allocate() takes)."""
-    return c.stages * c.threads * 40 + 256 * 4 + max(tokens * row_pitch(tokens), tokens * (c.rows + 4) * 4)
+    """Dynamic shared memory of one CTA."""
+    return sum(shared_pieces(tokens, c))
 
 
 def chains(tokens: int) -> int:
@@ -117,11 +124,8 @@ class Smem(NamedTuple):
 
 def allocate(tokens: int, c: StreamConfig) -> Smem:
     smem = cutlass.utils.SmemAllocator()
-    ring_w = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(c.stages * c.threads * 32), 16)
-    ring_s = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(c.stages * c.threads * 8), 16)
-    lut = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(256 * 4), 16)
-    tile_bytes = max(tokens * row_pitch(tokens), tokens * (c.rows + 4) * 4)
-    tile = smem.allocate_tensor(cutlass.Uint8, cute.make_layout(tile_bytes), 16)
+    ring_w, ring_s, lut, tile = (smem.allocate_tensor(cutlass.Uint8, cute.make_layout(n), 16)
+                                 for n in shared_pieces(tokens, c))
     out = cute.make_tensor(cute.recast_ptr(tile.iterator, dtype=Float32),
                            cute.make_layout((tokens, c.rows), stride=(c.rows + 4, 1)))
     return Smem(c.threads, ring_w.iterator.toint(), ring_s.iterator.toint(), lut.iterator.toint(),
