@@ -12,7 +12,7 @@ weights stream from DRAM, not L2); replays are timed with CUDA events, median ov
 the launches. Weights are random bytes (e2m1 codes, e4m3 scales in [2^-3, 2^2)).
 
     . /tmp/cutedsl-4.8.1-py312/env.sh
-    python3 benchmarks/stream_variants.py --variants default,slices2_stages6,probe_no_load --out variants.json
+    python3 benchmarks/stream_variants.py --variants default,chunk1024_stages8,probe_no_load --out variants.json
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import time
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import cutlass.cute as cute  # noqa: E402
 import torch  # noqa: E402
 
 # (H, I, experts, top_k, local experts)
@@ -47,38 +48,34 @@ VARIANTS = {
     "stages6": {"stages": 6},
     "slices1": {"k_slices": 1},
     "slices2": {"k_slices": 2, "ctas_per_sm": 1},  # 16 warps: one CTA per SM
-    "slices1_stages4": {"k_slices": 1, "stages": 4, "ctas_per_sm": 2},  # 107 KB of shared memory: two CTAs per SM
-    "slices2_stages6": {"k_slices": 2, "stages": 6, "ctas_per_sm": 1},  # the session-5 tile-8 configuration
+    "one_cta_stages8": {"ctas_per_sm": 1, "stages": 8},
+    # A smaller token tile (K-chunk 1024 at 8-token tiles) leaves room for a deeper ring with two CTAs per SM.
+    "chunk1024_stages8": {"token_elems": 8192, "stages": 8},
+    "chunk2048_stages6": {"token_elems": 16384, "stages": 6},
 }
 
 
 # Probes: leave-one-out versions of the mainloop (their outputs are wrong by design; they bound where time goes).
-def _probe_consume_loads_only(sm, tid, stage, tile_offset, acc, tokens, block):
-    """Read the ring slot and fold it into one accumulator: the loads stay live, no decode, no MMA."""
+def _probe_consume_loads_only(sm, tid, slot, scales, tile_offset, acc, tokens, block, c):
+    """Read the thread's fragments of the slot and fold them into one accumulator: the loads stay live, no decode,
+    no MMA."""
     from cutlass import Float32, Int32
 
     from moe_ext.kernels.sm90 import ptx
-    slot = sm.weights + (stage * sm.threads + tid) * 32
-    w0 = ptx.ld_shared_v4(slot)
-    w1 = ptx.ld_shared_v4(slot + 16)
+    lane = tid % 32
+    r = ((tid // 32) % c.warps) * 16 + lane // 4
+    rows = sm.weights + slot * (c.rows * 64) + (lane % 4) * 16
+    w0 = ptx.ld_shared_v4(rows + r * 64)
+    w1 = ptx.ld_shared_v4(rows + (r + 8) * 64)
     acc[0] = acc[0] + Float32(w0[0] ^ w0[1] ^ w0[2] ^ w0[3] ^ w1[0] ^ w1[1] ^ w1[2] ^ Int32(w1[3]))
 
 
-def _probe_issue_nothing(sm, tid, stage, rows, step, block):
-    """No weight copies: the mainloop decodes and multiplies whatever the ring holds."""
-
-
-def _cp_async_4_nothing(smem_addr, gmem_addr, *, loc=None, ip=None):
-    """No 4-byte copy: issue_step then copies the weights but not their scale groups."""
-
-
-def _cp_async_16_l2_256(smem_addr, gmem_addr, *, loc=None, ip=None):
-    """cp.async 16 B with a 256-byte L2 prefetch hint (the row's next step rides along)."""
-    from cutlass import Int32, Int64
-
-    from moe_ext.kernels.sm90 import ptx
-    ptx._asm(0, [Int32(smem_addr), Int64(gmem_addr)], "cp.async.cg.shared.global.L2::256B [$0], [$1], 16;",
-             "r,l,~{memory}", side_effects=True)
+@cute.jit
+def _probe_issue_nothing(sm, lane, src, first, stage, steps, block, c):
+    """No copies: lane 0 arrives on the stage's barrier without bytes, so the mainloop decodes and multiplies
+    whatever the ring holds."""
+    if lane == 0:
+        cute.arch.mbarrier_arrive(sm.full + stage % c.stages)
 
 
 def _probe_accumulate_nothing(sm, *args):
@@ -90,20 +87,17 @@ def _probe_token_group_zero(a_format, values_bf16, values_q, offset, scale_byte)
     return [Int32(0)] * 4
 
 
-def _probe_store_nothing(sm, tokens, row, chunk, values, valid):
+def _probe_store_nothing(sm, row, chunk, values, valid):
     """No token staging stores (with the zero token_group, no activation loads either)."""
 
 
 PROBES = {
     "probe_empty": {"accumulate": _probe_accumulate_nothing},
-    "probe_neither_no_stage": {"consume_step": _probe_consume_loads_only, "issue_step": _probe_issue_nothing,
+    "probe_neither_no_stage": {"consume_tma_step": _probe_consume_loads_only, "issue_tma_stage": _probe_issue_nothing,
                                "token_group": _probe_token_group_zero, "store_chunk": _probe_store_nothing},
-    "probe_no_decode": {"consume_step": _probe_consume_loads_only},
-    "probe_no_decode_no_sf": {"consume_step": _probe_consume_loads_only, "ptx.cp_async_4": _cp_async_4_nothing},
-    "probe_no_decode_l2_256": {"consume_step": _probe_consume_loads_only, "ptx.cp_async_16": _cp_async_16_l2_256},
-    "l2_256": {"ptx.cp_async_16": _cp_async_16_l2_256},
-    "probe_no_load": {"issue_step": _probe_issue_nothing},
-    "probe_neither": {"consume_step": _probe_consume_loads_only, "issue_step": _probe_issue_nothing},
+    "probe_no_decode": {"consume_tma_step": _probe_consume_loads_only},
+    "probe_no_load": {"issue_tma_stage": _probe_issue_nothing},
+    "probe_neither": {"consume_tma_step": _probe_consume_loads_only, "issue_tma_stage": _probe_issue_nothing},
 }
 
 
@@ -250,7 +244,6 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    from moe_ext.kernels.sm90 import ptx
     from moe_ext.kernels.sm90 import stream as streaming
 
     tile = args.tile
@@ -265,11 +258,11 @@ def main():
         variants.insert(0, "default")
     records, reference = [], {}
     for variant in variants:
+        patches = PROBES.get(variant, {})
         over = VARIANTS.get(variant, {})
         cfg = tuple(dataclasses.replace(streaming.config_for(tile, gemm), **over) for gemm in (1, 2))
         start = time.perf_counter()
-        patches = PROBES.get(variant, {})
-        owners = {name: (ptx if name.startswith("ptx.") else streaming) for name in patches}
+        owners = {name: streaming for name in patches}
         saved = {name: getattr(owners[name], name.split(".")[-1]) for name in patches}
         try:
             for name, fn in patches.items():

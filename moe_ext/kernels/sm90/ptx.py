@@ -1,7 +1,7 @@
-"""The few PTX instructions the streaming GEMMs need that CuTe-DSL does not expose as plain calls on registers:
-asynchronous 16-byte copies into shared memory, 128-bit shared loads and stores, the bf16 tensor-core MMA on
-registers, and the e2m1 -> bf16 decode. Each is a small inline-asm wrapper on 32-bit registers (bf16x2 pairs
-travel as Int32).
+"""The few PTX instructions the GEMMs need that CuTe-DSL does not expose as plain calls on registers:
+asynchronous copies into shared memory (16-byte cp.async for the wgmma mainloop, bulk copies for the streaming
+ring's scales), 128-bit shared loads and stores, the bf16 tensor-core MMA on registers, and the e2m1 -> bf16
+decode. Each is a small inline-asm wrapper on 32-bit registers (bf16x2 pairs travel as Int32).
 """
 from __future__ import annotations
 
@@ -35,14 +35,25 @@ def cp_async_4(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> None
 
 
 @dsl_user_op
-def cp_async_commit(*, loc=None, ip=None) -> None:
-    _asm(0, [], "cp.async.commit_group;", "~{memory}", side_effects=True)
+def cp_async_bulk(dst: Int32, src: Int64, nbytes: Int32, bar: Int32, *, loc=None, ip=None) -> None:
+    """`nbytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared through the copy engine; the
+    bytes are counted on mbarrier `bar` (complete_tx) when they land."""
+    _asm(0, [Int32(dst), Int64(src), Int32(nbytes), Int32(bar)],
+         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+         "r,l,r,r,~{memory}", side_effects=True)
 
 
 @dsl_user_op
-def cp_async_wait(pending: int, *, loc=None, ip=None) -> None:
-    """Wait until at most `pending` of this thread's committed copy groups are still in flight."""
-    _asm(0, [], f"cp.async.wait_group {pending};", "~{memory}", side_effects=True)
+def atomic_add_shared_acq_rel(addr: Int32, value: Int32, *, loc=None, ip=None) -> Int32:
+    """Old value of the shared counter at `addr`, incremented with acquire-release ordering (CTA scope)."""
+    return Int32(_asm(1, [Int32(addr), Int32(value)], "atom.acq_rel.cta.shared::cta.add.u32 $0, [$1], $2;",
+                      "=r,r,r,~{memory}", side_effects=True))
+
+
+@dsl_user_op
+def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
+    """Order this thread's generic-proxy shared accesses before later async-proxy ones (bulk and TMA copies)."""
+    _asm(0, [], "fence.proxy.async.shared::cta;", "~{memory}", side_effects=True)
 
 
 @dsl_user_op

@@ -1,16 +1,19 @@
-"""Streaming mainloop of the grouped GEMMs (sm_90a, version 2): swap-AB, weights decoded in registers.
+"""Streaming mainloop of the grouped GEMMs (sm_90a, version 3): swap-AB, weights decoded in registers.
 
 The 4-bit weights are the MMA's M side (128 weight rows per CTA, 16 per warp) and the routed tokens its N side
 (`tokens` per CTA = the routing tile), so a CTA streams each weight byte once for up to `tokens` tokens: at decode
 the kernel is a weight stream, and all of it goes through one path:
 
-  weights  global --cp.async 16 B--> per-thread shared ring (`stages` deep) --> registers --> e2m1 decode
-           (shift/mask into bf16 bit patterns, one bf16x2 multiply by the block scale) --> MMA A fragments
+  weights  global --TMA box (128 rows x 64 bytes) per 128-K step--> shared ring (`stages` deep) --> registers
+           --> e2m1 decode (shift/mask into bf16 bit patterns, one bf16x2 multiply by the block scale) --> MMA A
+           fragments
   tokens   global --> decoded to bf16 once per CTA and K-chunk --> shared tile --> MMA B fragments
   MMA      mma.sync m16n8k16 bf16 -> fp32 accumulators in registers
 
-Each thread copies and later reads only its own ring slots (16 bytes of each of its two rows per 128-K step, plus
-the 4-byte scale group of each row), so the ring needs no barrier, only cp.async.wait_group.
+The ring is fed by the copy engine: one TMA box per step and one bulk copy of the step's scale tiles, counted on
+the stage's mbarrier. There is no producer warp: the last warp done reading a stage refills it. Per-thread 16-byte
+cp.async copies (version 2) spent the LSU's issue slots on addresses and peaked near 2.3 TB/s; the copy engine
+moves 8 KB per instruction (benchmarks/results/h200_stream_variants.md, session 7).
 
 K order inside the MMA is free as long as both operands agree. Thread t of a quad owns K [32t, 32t + 32) of each
 128-K step (one 16-byte load per row); a decoded register holds the codes (i, i + 4) of an 8-code word, and the
@@ -45,8 +48,8 @@ class StreamConfig:
     warps: int = 8  # each warp streams 16 weight rows (MMA M): 128 rows, one 64-row up/gate pair of the interleave
     k_slices: int = 1  # warp groups that take alternate 128-K steps of the same rows (summed at the end)
     k_step: int = 128  # K per pipeline stage
-    stages: int = 6  # ring depth: 6 x 40 bytes per thread in flight
-    token_elems: int = 32768  # bf16 elements of the shared token tile (64 KB): tokens x K-chunk
+    stages: int = 6  # ring depth: stages x k_slices x 9 KB in flight
+    token_elems: int = 32768  # bf16 elements of the shared token tile (64 KB): tokens x K-chunk (at most 4096)
     ctas_per_sm: int = 1  # CTAs the launch asks to fit per SM (2 caps registers at 128 for 256 threads)
 
     @property
@@ -65,9 +68,9 @@ def config_for(tokens: int, gemm: int) -> StreamConfig:
     A CTA's fixed costs (launch, prologue, token staging, accumulator exchange, epilogue) take 2-7 us per wave and
     leave the SM's weight stream idle, so where it pays, two 8-warp CTAs share an SM: one streams while the other
     starts or finishes. That needs a 4-stage ring (shared memory under half the SM's) and at most 128 registers a
-    thread. It is 8-29% faster for GEMM1 on 8-token tiles and for both GEMMs on 64-token tiles. GEMM2 on 8-token
-    tiles keeps one CTA of two 8-warp K slices (twice the bytes in flight): Mixtral's GEMM2 (K = 14336 over 32
-    column tiles) is 1.2-1.4x slower with two CTAs."""
+    thread. It was 8-29% faster for GEMM1 on 8-token tiles and for both GEMMs on 64-token tiles (session 6, with
+    the cp.async ring). GEMM2 on 8-token tiles keeps one CTA of two 8-warp K slices (twice the bytes in flight):
+    Mixtral's GEMM2 (K = 14336 over 32 column tiles) was 1.2-1.4x slower with two CTAs."""
     if tokens <= 8 and gemm == 2:
         return StreamConfig(k_slices=2)
     if tokens <= 64:
@@ -75,11 +78,13 @@ def config_for(tokens: int, gemm: int) -> StreamConfig:
     return StreamConfig()
 
 
-def shared_pieces(tokens: int, c: StreamConfig) -> tuple[int, int, int, int]:
-    """Bytes of what allocate() takes: the weight ring, the scale ring, the scale table and the token tile (which
-    the fp32 accumulator tile reuses after the mainloop)."""
-    return (c.stages * c.threads * 32, c.stages * c.threads * 8, 256 * 4,
-            max(tokens * row_pitch(tokens), tokens * (c.rows + 4) * 4))
+def shared_pieces(tokens: int, c: StreamConfig) -> tuple[int, int, int, int, int]:
+    """Bytes of what allocate() takes: the weight ring (a 128-row x 64-byte slot per K slice and stage), its
+    scale slots (1 KB each), the scale table, the token tile (which the fp32 accumulator tile reuses after the
+    mainloop) and the ring's barriers (a full mbarrier and a release counter per stage)."""
+    tile = max(tokens * row_pitch(tokens, c), tokens * (c.rows + 4) * 4)
+    slots = c.stages * c.k_slices
+    return slots * c.rows * 64, slots * 1024, 256 * 4, tile, c.stages * 16
 
 
 def shared_bytes(tokens: int, c: StreamConfig) -> int:
@@ -103,80 +108,50 @@ BF16X2_2P120 = 0x7B807B80
 TWO_P63 = 9.223372036854775808e18
 
 
-def k_chunk(tokens: int) -> int:
+def k_chunk(tokens: int, c: StreamConfig) -> int:
     """K values of the token tile staged at a time."""
-    return min(4096, StreamConfig.token_elems // tokens)
+    return min(4096, c.token_elems // tokens)
 
 
-def row_pitch(tokens: int) -> int:
+def row_pitch(tokens: int, c: StreamConfig) -> int:
     """Bytes between token rows of the shared tile: one 16-byte chunk of padding staggers the banks."""
-    return (k_chunk(tokens) + 8) * 2
+    return (k_chunk(tokens, c) + 8) * 2
 
 
 class Smem(NamedTuple):
     threads: int
-    weights: Int32  # shared address of the weight ring: stages x threads x 32 bytes
-    scales: Int32  # stages x threads x 8 bytes
+    pitch: int  # row_pitch of the token tile
+    weights: Int32  # shared address of the weight ring: slots of 128 rows x 64 bytes (one 128-K step)
+    scales: Int32  # a 1 KB slot per weight slot: the step's swizzled scale tiles
     scale_lut: Int32  # 256 x bf16x2: scale byte -> (scale * 2^63, scale * 2^63)
     tokens: Int32  # the token tile
     out: cute.Tensor  # fp32 [tokens, rows] accumulator tile, over the token tile (used after the mainloop)
+    ring: cute.Tensor  # the weight slots as the TMA copies' destination, (1, rows, 64 bytes, slot)
+    full: cute.Pointer  # one mbarrier per stage, complete when the stage's bytes have landed
+    released: Int32  # one counter per stage of the warps done reading it
 
 
 def allocate(tokens: int, c: StreamConfig) -> Smem:
     smem = cutlass.utils.SmemAllocator()
-    ring_w, ring_s, lut, tile = (smem.allocate_tensor(cutlass.Uint8, cute.make_layout(n), 16)
-                                 for n in shared_pieces(tokens, c))
+    ring_w, ring_s, lut, tile, bars = (smem.allocate_tensor(cutlass.Uint8, cute.make_layout(n), 1024 if i == 0 else 16)
+                                       for i, n in enumerate(shared_pieces(tokens, c)))
     out = cute.make_tensor(cute.recast_ptr(tile.iterator, dtype=Float32),
                            cute.make_layout((tokens, c.rows), stride=(c.rows + 4, 1)))
-    return Smem(c.threads, ring_w.iterator.toint(), ring_s.iterator.toint(), lut.iterator.toint(),
-                tile.iterator.toint(), out)
+    ring = cute.make_tensor(ring_w.iterator, cute.make_layout((1, c.rows, 64, c.stages * c.k_slices),
+                                                              stride=(0, 64, 1, c.rows * 64)))
+    full = cute.recast_ptr(bars.iterator, dtype=Int64)
+    return Smem(c.threads, row_pitch(tokens, c), ring_w.iterator.toint(), ring_s.iterator.toint(), lut.iterator.toint(),
+                tile.iterator.toint(), out, ring, full, bars.iterator.toint() + 8 * c.stages)
 
 
 def fill_scale_lut(sm: Smem, tid, block: int) -> None:
     """Each thread writes the entries of scale bytes tid, tid + threads, ... (e4m3 for NVFP4, ue8m0 for MXFP4); a
-    barrier must follow before the first consume_step. A lookup is one shared load where the conversion was ~15
+    barrier must follow before the first consume_tma_step. A lookup is one shared load where the conversion was ~15
     instructions."""
     for i in range(max(1, 256 // sm.threads)):
         code = (tid + i * sm.threads) % 256
         value = (e4m3_to_f32(code) if block == 16 else ue8m0_to_f32(code)) * Float32(TWO_P63)
         ptx.st_shared_b32(sm.scale_lut + code * 4, ptx.pack_bf16x2(value, value))
-
-
-class WeightRows(NamedTuple):
-    """Where a thread's two weight rows (r, r + 8) and their scale groups are at K = 0; each 128-K step moves the
-    bytes by 64 and the scale groups by `sf_step` (two 4-block tiles of the 128x4 layout for NVFP4, one for
-    MXFP4)."""
-
-    row0: Int64  # global address of this thread's 16 bytes of row r in step 0
-    row1: Int64
-    sf0: Int64  # global address of the 4 swizzled scale bytes of row r holding this thread's blocks in step 0
-    sf1: Int64
-
-
-def weight_rows(w: cute.Tensor, w_sf: cute.Tensor, expert, first_row, tid, rows_per_expert, k_extent,
-                block: int, c: StreamConfig) -> WeightRows:
-    warp = (tid // 32) % c.warps
-    lane = tid % 32
-    r = first_row + warp * 16 + lane // 4
-    stride = Int64(k_extent // 2)
-    row0 = w.iterator.toint() + (Int64(expert) * Int64(rows_per_expert) + Int64(r)) * stride + Int64((tid % 4) * 16)
-    first = 2 * (tid % 4) if block == 16 else tid % 4  # this thread's first block of a step
-    sf = w_sf.iterator.toint()
-    sf0 = sf + Int64(swizzled_sf_offset(expert, r, first - first % 4, rows_per_expert, k_extent // block))
-    sf1 = sf + Int64(swizzled_sf_offset(expert, r + 8, first - first % 4, rows_per_expert, k_extent // block))
-    return WeightRows(row0, row0 + stride * 8, sf0, sf1)
-
-
-def issue_step(sm: Smem, tid, stage, rows: WeightRows, step, block: int):
-    """Start the copies of 128-K step `step`: this thread's 16 bytes of each row and their scale groups."""
-    dst = sm.weights + (stage * sm.threads + tid) * 32
-    offset = Int64(step) * Int64(StreamConfig.k_step // 2)
-    ptx.cp_async_16(dst, rows.row0 + offset)
-    ptx.cp_async_16(dst + 16, rows.row1 + offset)
-    sdst = sm.scales + (stage * sm.threads + tid) * 8
-    sf_offset = Int64(step) * Int64(512 * StreamConfig.k_step // block // 4)
-    ptx.cp_async_4(sdst, rows.sf0 + sf_offset)
-    ptx.cp_async_4(sdst + 4, rows.sf1 + sf_offset)
 
 
 def _scale_pairs(sm: Smem, group: Int32, tid, block: int) -> list:
@@ -191,25 +166,39 @@ def _scale_pairs(sm: Smem, group: Int32, tid, block: int) -> list:
     return [s2, s2, s2, s2]
 
 
-def consume_step(sm: Smem, tid, stage, tile_offset, acc: cute.Tensor, tokens: int, block: int):
-    """acc += this thread's share of the 128-K step in ring slot `stage`; its tokens start at byte `tile_offset`
-    of the token tile rows (the step's position inside the staged K-chunk)."""
-    slot = sm.weights + (stage * sm.threads + tid) * 32
-    w0 = ptx.ld_shared_v4(slot)
-    w1 = ptx.ld_shared_v4(slot + 16)
-    sslot = sm.scales + (stage * sm.threads + tid) * 8
-    s0 = _scale_pairs(sm, ptx.ld_shared_b32(sslot), tid, block)
-    s1 = _scale_pairs(sm, ptx.ld_shared_b32(sslot + 4), tid, block)
+def consume_tma_step(sm: Smem, tid, slot, scales, tile_offset, acc: cute.Tensor, tokens: int, block: int,
+                     c: StreamConfig):
+    """acc += this thread's share of the 128-K step in weight slot `slot` (128 rows x 64 bytes, rows dense) with
+    its scale tiles at shared address `scales`; its tokens start at byte `tile_offset` of the token tile rows (the
+    step's position inside the staged K-chunk). At the 64-byte row pitch a quarter-warp's eight 16-byte loads
+    (rows r and r + 1, chunks t = 0..3) cover 128 consecutive bytes: no bank conflict."""
+    lane = tid % 32
+    r = ((tid // 32) % c.warps) * 16 + lane // 4
+    t = lane % 4
+    rows = sm.weights + slot * (c.rows * 64) + t * 16
+    tiles = scales + (t // 2 if block == 16 else 0) * 512
+
+    def group(row):
+        return ptx.ld_shared_b32(tiles + (row % 32) * 16 + (row // 32) * 4)
+
+    multiply_step(sm, tid, ptx.ld_shared_v4(rows + r * 64), ptx.ld_shared_v4(rows + (r + 8) * 64),
+                  _scale_pairs(sm, group(r), tid, block), _scale_pairs(sm, group(r + 8), tid, block), tile_offset,
+                  acc, tokens)
+
+
+def multiply_step(sm: Smem, tid, w0: list, w1: list, s0: list, s1: list, tile_offset, acc: cute.Tensor,
+                  tokens: int):
+    """Decode this thread's 16 bytes of rows r and r + 8 (with their bf16x2 scales) and multiply them into acc."""
     lane = tid % 32
     t = lane % 4
-    swap = (t >> 1) << 1  # the tile's 16-byte chunk swizzle (see stage_chunk)
-    row_base = sm.tokens + (lane // 4) * row_pitch(tokens) + tile_offset
+    swap = (t >> 1) << 1  # the tile's 16-byte chunk swizzle (see tile_address)
+    row_base = sm.tokens + (lane // 4) * sm.pitch + tile_offset
     for j in range(4):
         a0 = ptx.e2m1x8_to_bf16x2(w0[j], s0[j])
         a1 = ptx.e2m1x8_to_bf16x2(w1[j], s1[j])
         chunk = t * 4 + (Int32(j) ^ swap)
         for nt in range(tokens // 8):
-            b = ptx.ld_shared_v4(row_base + nt * 8 * row_pitch(tokens) + chunk * 16)
+            b = ptx.ld_shared_v4(row_base + nt * 8 * sm.pitch + chunk * 16)
             for h in range(2):
                 base = ((2 * j + h) % chains(tokens) * (tokens // 8) + nt) * 4
                 c = [acc[base + i] for i in range(4)]
@@ -219,10 +208,28 @@ def consume_step(sm: Smem, tid, stage, tile_offset, acc: cute.Tensor, tokens: in
                     acc[base + i] = d[i]
 
 
-def tile_address(sm: Smem, tokens: int, row, chunk) -> Int32:
+def sf_step_bytes(block: int) -> int:
+    """Swizzled scale bytes of 128 rows x one 128-K step (NVFP4: two 512-byte tiles, MXFP4: one)."""
+    return 512 * StreamConfig.k_step // block // 4
+
+
+def weight_tma(w: cute.Tensor, experts, rows_per_expert, k_extent, c: StreamConfig):
+    """(TMA atom, coordinate tensor) loading boxes of (1 expert, c.rows rows, 64 bytes = one 128-K step) of the
+    4-bit weight `w` (flat bytes, [experts, rows_per_expert, k_extent / 2]). Call in the launch function: the
+    exported host code packs the descriptor from these runtime extents at each launch. The expert stride is 64-bit
+    (DeepSeek-V3's W1 is 3.8e9 bytes); the launcher checks the 16-byte alignment the descriptor needs."""
+    from cutlass.cute.nvgpu import cpasync
+    k_bytes = k_extent // 2
+    view = cute.make_tensor(w.iterator, cute.make_layout(
+        (experts, rows_per_expert, k_bytes), stride=(Int64(rows_per_expert) * Int64(k_bytes), k_bytes, 1)))
+    box = cute.make_layout((1, c.rows, 64), stride=(c.rows * 64, 64, 1))
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, box, (1, c.rows, 64))
+
+
+def tile_address(sm: Smem, row, chunk) -> Int32:
     """Shared address of 8-value chunk `chunk` of token row `row`; bit 1 of the chunk flips with bit 3 so the four
     threads of a quad (32 K apart) hit different banks."""
-    return sm.tokens + row * row_pitch(tokens) + (chunk ^ (((chunk >> 3) & 1) << 1)) * 16
+    return sm.tokens + row * sm.pitch + (chunk ^ (((chunk >> 3) & 1) << 1)) * 16
 
 
 def permute_bf16x8(u: list) -> list:
@@ -266,10 +273,10 @@ def token_group(a_format: str, values_bf16: cute.Tensor, values_q: cute.Tensor, 
     return mxfp8x8_to_tile(lo_hi[0], lo_hi[1], ue8m0_to_f32(Int32(scale_byte())))
 
 
-def store_chunk(sm: Smem, tokens: int, row, chunk, values: list, valid) -> None:
+def store_chunk(sm: Smem, row, chunk, values: list, valid) -> None:
     zero = Int32(0)
     v = [Int32(cutlass.select_(valid, x, zero)) for x in values]
-    ptx.st_shared_v4(tile_address(sm, tokens, row, chunk), v[0], v[1], v[2], v[3])
+    ptx.st_shared_v4(tile_address(sm, row, chunk), v[0], v[1], v[2], v[3])
 
 
 def store_accumulators(sm: Smem, tid, acc: cute.Tensor, tokens: int, c: StreamConfig, add: bool) -> None:
@@ -307,53 +314,30 @@ def k_range(steps, rank, k_split):
 
 def chunk_tasks(tokens: int, c: StreamConfig) -> int:
     """8-value chunks each thread stages per K-chunk."""
-    return tokens * k_chunk(tokens) // 8 // c.threads
+    return tokens * k_chunk(tokens, c) // 8 // c.threads
 
 
 @cute.jit
-def accumulate(sm, tid, w, w_sf, expert, first_row, rows_per_expert, k_extent, rank, k_split,
+def accumulate(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, rank, k_split,
                tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
                load_group: cutlass.Constexpr):
-    """The mainloop of one CTA over weight rows [first_row, first_row + cfg.rows) of `expert` in the 4-bit weight
-    `w` (scales `w_sf`): leaves its accumulator tile (summed over K slices, and on cluster rank 0 over the
-    cluster's ranks) in sm.out. `load_group(r, k, k_end)` returns the 8 tile-order bf16x2 registers of token row
-    r at K = k and whether they are valid (the kernel's gather and decode of its activations).
+    """The mainloop of one CTA over weight rows [first_row, first_row + cfg.rows) of `expert` in a 4-bit weight
+    (scales `w_sf`; `tma_atom` and `tma_w` from weight_tma): leaves its accumulator
+    tile (summed over K slices, and on cluster rank 0 over the cluster's ranks) in sm.out. `load_group(r, k,
+    k_end)` returns the 8 tile-order bf16x2 registers of token row r at K = k and whether they are valid (the
+    kernel's gather and decode of its activations).
 
     The k_split CTAs of a cluster take contiguous runs of K steps; inside a CTA, K slice `part` takes every
     k_slices-th step of the run: its j-th step is first + j * k_slices + part.
     """
-    rows = weight_rows(w, w_sf, expert, first_row, tid, rows_per_expert, k_extent, block, cfg)
     fill_scale_lut(sm, tid, block)  # read after the first staging barrier below
     acc = cute.make_rmem_tensor((accumulator_size(tokens),), Float32)
     acc.fill(0.0)
-    chunk = k_chunk(tokens)
     first, steps = k_range(k_extent // cfg.k_step, rank, k_split)
     k_end = (first + steps) * cfg.k_step
     part = tid // (cfg.threads // cfg.k_slices)
-    my_steps = (steps - part + cfg.k_slices - 1) // cfg.k_slices
-    for s in cutlass.range_constexpr(cfg.stages - 1):
-        if s < my_steps:
-            issue_step(sm, tid, s, rows, first + s * cfg.k_slices + part, block)
-        ptx.cp_async_commit()
-    for j in cutlass.range((steps + cfg.k_slices - 1) // cfg.k_slices):
-        k_run = j * cfg.k_slices * cfg.k_step  # K offset inside this CTA's run
-        if k_run % chunk == 0:
-            # Stage this K-chunk of the token rows, decoded to bf16, in the tile order.
-            cute.arch.sync_threads()
-            for m in cutlass.range_constexpr(chunk_tasks(tokens, cfg)):
-                task = tid + m * cfg.threads
-                r = task // (chunk // 8)
-                c = task % (chunk // 8)
-                values, valid = load_group(r, first * cfg.k_step + k_run + c * 8, k_end)
-                store_chunk(sm, tokens, r, c, values, valid)
-            cute.arch.sync_threads()
-        if j + cfg.stages - 1 < my_steps:
-            issue_step(sm, tid, (j + cfg.stages - 1) % cfg.stages, rows,
-                       first + (j + cfg.stages - 1) * cfg.k_slices + part, block)
-        ptx.cp_async_commit()
-        ptx.cp_async_wait(cfg.stages - 1)
-        if j < my_steps:
-            consume_step(sm, tid, j % cfg.stages, (k_run % chunk + part * cfg.k_step) * 2, acc, tokens, block)
+    tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
+                 part, acc, tokens, cfg, block, load_group)
     cute.arch.sync_threads()
     for sl in cutlass.range_constexpr(cfg.k_slices):
         if part == sl:
@@ -367,3 +351,111 @@ def accumulate(sm, tid, w, w_sf, expert, first_row, rows_per_expert, k_extent, r
             add_peer_accumulators(sm, tid, peer, tokens, cfg)
     cute.arch.cluster_arrive()
     cute.arch.cluster_wait()
+
+
+@cute.jit
+def stage_tokens(sm, tid, first, k_run, k_end, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr,
+                 load_group: cutlass.Constexpr):
+    """Stage the K-chunk at k_run (inside the run starting at step `first`) of the token rows, decoded to bf16,
+    in the tile order, between two CTA barriers."""
+    chunk = k_chunk(tokens, cfg)
+    cute.arch.sync_threads()
+    for m in cutlass.range_constexpr(chunk_tasks(tokens, cfg)):
+        task = tid + m * cfg.threads
+        r = task // (chunk // 8)
+        c = task % (chunk // 8)
+        values, valid = load_group(r, first * cfg.k_step + k_run + c * 8, k_end)
+        store_chunk(sm, r, c, values, valid)
+    cute.arch.sync_threads()
+
+
+class TmaSource(NamedTuple):
+    """Where a CTA's TMA stages come from: the weight boxes (partitioned coordinate tensor, one 128-K step per
+    index) and the global address of its scale tiles at K = 0 (128 rows of the 128x4 layout are one tile row, so
+    each step's scales are sf_step_bytes contiguous bytes, and consecutive steps are consecutive)."""
+
+    atom: object
+    boxes: cute.Tensor  # (box, step) global side of the copy
+    slots: cute.Tensor  # (box, slot) shared side
+    scales: Int64
+
+
+@cute.jit
+def issue_tma_stage(sm: Smem, lane, src: TmaSource, first, stage, steps, block: cutlass.Constexpr,
+                    c: cutlass.Constexpr):
+    """One warp starts the copies of stage `stage` (steps [stage * k_slices, ...) of the run starting at step
+    `first`, as many as the run still has) into slot stage % stages: lane 0 announces their bytes on the slot's
+    full barrier and copies the scale tiles; the box copies elect one lane themselves (elect.sync), so the whole
+    warp must call them."""
+    slot = stage % c.stages
+    bar = sm.full + slot
+    n = cute.math.min(c.k_slices, steps - stage * c.k_slices)
+    step = first + stage * c.k_slices
+    if lane == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, n * (c.rows * 64 + sf_step_bytes(block)))
+        ptx.cp_async_bulk(sm.scales + slot * (c.k_slices * 1024), src.scales + Int64(step) * sf_step_bytes(block),
+                          n * sf_step_bytes(block), bar.toint())
+    cute.arch.sync_warp()
+    for u in cutlass.range_constexpr(c.k_slices):
+        if u < n:
+            cute.copy(src.atom, src.boxes[None, step + u], src.slots[None, slot * c.k_slices + u], tma_bar_ptr=bar)
+
+
+@cute.jit
+def tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
+                 part, acc: cute.Tensor, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
+                 load_group: cutlass.Constexpr):
+    """Stages of k_slices 128-K steps (K slice `part` reads step `part` of each) arrive by TMA: one box per step
+    and one bulk copy of its scale tiles, counted on the stage's full barrier. No warp waits for a producer: the
+    last warp done reading a stage refills its slot (release_tma_stage)."""
+    from cutlass.cute.nvgpu import cpasync
+    chunk = k_chunk(tokens, cfg)
+    boxes = cute.local_tile(tma_w, (1, cfg.rows, 64), (expert, first_row // cfg.rows, None))
+    slots, boxes = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sm.ring, 0, 3),
+                                         cute.group_modes(boxes, 0, 3))
+    src = TmaSource(tma_atom, boxes, slots, w_sf.iterator.toint() + Int64(
+        swizzled_sf_offset(expert, first_row, 0, rows_per_expert, k_extent // block)))
+    num_stages = (steps + cfg.k_slices - 1) // cfg.k_slices
+    if tid == 0:
+        cpasync.prefetch_descriptor(tma_atom)
+        for s in cutlass.range_constexpr(cfg.stages):
+            cute.arch.mbarrier_init(sm.full + s, 1)
+            ptx.st_shared_b32(sm.released + s * 4, Int32(0))
+        cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+    if tid < 32:
+        for s in cutlass.range_constexpr(cfg.stages):
+            if s < num_stages:
+                issue_tma_stage(sm, tid, src, first, s, steps, block, cfg)
+    for i in cutlass.range(num_stages):
+        k_run = i * cfg.k_slices * cfg.k_step
+        if k_run % chunk == 0:
+            stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group)
+        slot = i % cfg.stages
+        cute.arch.mbarrier_wait(sm.full + slot, (i // cfg.stages) % 2)
+        if i * cfg.k_slices + part < steps:
+            consume_tma_step(sm, tid, slot * cfg.k_slices + part,
+                             sm.scales + slot * (cfg.k_slices * 1024) + part * sf_step_bytes(block),
+                             (k_run % chunk + part * cfg.k_step) * 2, acc, tokens, block, cfg)
+        release_tma_stage(sm, tid, src, first, i, steps, block, cfg)
+
+
+@cute.jit
+def release_tma_stage(sm: Smem, tid, src: TmaSource, first, stage, steps, block: cutlass.Constexpr,
+                      c: cutlass.Constexpr):
+    """This warp is done reading stage `stage`. The last of the CTA's warps to say so refills the slot with stage
+    `stage + stages` (the atomic's acquire-release orders every warp's reads of the slot before the refill; the
+    proxy fence orders them before the copy engine's writes)."""
+    cute.arch.sync_warp()
+    lane = tid % 32
+    slot = stage % c.stages
+    done = Int32(0)
+    if lane == 0:
+        done = ptx.atomic_add_shared_acq_rel(sm.released + slot * 4, Int32(1))
+    done = cute.arch.shuffle_sync(done, 0)
+    if done == c.warps * c.k_slices - 1:
+        if lane == 0:
+            ptx.st_shared_b32(sm.released + slot * 4, Int32(0))
+        if stage + c.stages < (steps + c.k_slices - 1) // c.k_slices:
+            ptx.fence_proxy_async_shared()
+            issue_tma_stage(sm, lane, src, first, stage + c.stages, steps, block, c)
