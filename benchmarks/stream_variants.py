@@ -48,6 +48,7 @@ VARIANTS = {
     "stages6": {"stages": 6},
     "slices1": {"k_slices": 1},
     "slices2": {"k_slices": 2, "ctas_per_sm": 1},  # 16 warps: one CTA per SM
+    "two_ctas": {"k_slices": 1, "stages": 4, "ctas_per_sm": 2},  # GEMM2 on 8-token tiles as GEMM1 runs
     "one_cta_stages8": {"ctas_per_sm": 1, "stages": 8},
     # A smaller token tile (K-chunk 1024 at 8-token tiles) leaves room for a deeper ring with two CTAs per SM.
     "chunk1024_stages8": {"token_elems": 8192, "stages": 8},
@@ -97,6 +98,7 @@ PROBES = {
                                "token_group": _probe_token_group_zero, "store_chunk": _probe_store_nothing},
     "probe_no_decode": {"consume_tma_step": _probe_consume_loads_only},
     "probe_no_load": {"issue_tma_stage": _probe_issue_nothing},
+    "probe_no_stage": {"token_group": _probe_token_group_zero, "store_chunk": _probe_store_nothing},
     "probe_neither": {"consume_tma_step": _probe_consume_loads_only, "issue_tma_stage": _probe_issue_nothing},
 }
 
@@ -190,7 +192,7 @@ def make_layer(name: str, tokens: int, tile: int, rotations: int, seed: int, spl
                  tuple(min(4, max(1, s) * split_factor) for s in tactic[1:]))
 
 
-def run_gemm1(fn, layer: Layer, i: int, dummies: dict):
+def run_gemm1(fn, layer: Layer, i: int, dummies: dict, pdl: bool = False):
     from moe_ext import launcher
     from moe_ext.activation import Activation
 
@@ -198,14 +200,14 @@ def run_gemm1(fn, layer: Layer, i: int, dummies: dict):
     fn(layer.x.reshape(-1), dummies["u8"], dummies["u8"], dummies["f32"], flat(layer.w1), layer.w1_sf, layer.alpha,
        r.permuted_to_expanded, r.tile_to_expert, r.tile_to_mn_limit, r.num_live_tiles, layer.inters[i],
        dummies["u8"], dummies["u8"], dummies["f32"], layer.hidden, 2 * layer.inter, layer.inter, 0, layer.top_k,
-       *launcher.activation_params(Activation("swiglu")), layer.splits[0], False)
+       *launcher.activation_params(Activation("swiglu")), layer.splits[0], pdl)
 
 
-def run_gemm2(fn, layer: Layer, i: int, dummies: dict):
+def run_gemm2(fn, layer: Layer, i: int, dummies: dict, pdl: bool = False):
     r = layer.routings[i]
     fn(layer.inters[i], dummies["u8"], dummies["u8"], dummies["f32"], flat(layer.w2), layer.w2_sf, layer.alpha,
        layer.scales, r.permuted_to_expanded, r.tile_to_expert, r.tile_to_mn_limit, r.num_live_tiles,
-       layer.slots[i], layer.hidden, layer.inter, layer.hidden, 0, layer.top_k, False, layer.splits[1], False)
+       layer.slots[i], layer.hidden, layer.inter, layer.hidden, 0, layer.top_k, False, layer.splits[1], pdl)
 
 
 def time_graph(launches, iters: int) -> float:
@@ -241,6 +243,9 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--split-factor", type=int, default=1,
                         help="multiply the heuristic's K splits (for configurations that fit two CTAs per SM)")
+    parser.add_argument("--pdl", action="store_true",
+                        help="launch with programmatic dependent launch, as the forward does (a launch's start then "
+                             "overlaps the previous one's tail)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -292,9 +297,9 @@ def main():
                 equal = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
                             for a, b in zip(outputs, reference[key]))
             n = len(layer.routings)
-            us1 = time_graph(lambda: [run_gemm1(g1, layer, i, dummies) for i in range(n)], args.iters) / n
-            us2 = time_graph(lambda: [run_gemm2(g2, layer, i, dummies) for i in range(n)], args.iters) / n
-            rec = dict(variant=variant, shape=layer.name, T=args.tokens, tile=tile, splits=layer.splits,
+            us1 = time_graph(lambda: [run_gemm1(g1, layer, i, dummies, args.pdl) for i in range(n)], args.iters) / n
+            us2 = time_graph(lambda: [run_gemm2(g2, layer, i, dummies, args.pdl) for i in range(n)], args.iters) / n
+            rec = dict(variant=variant, shape=layer.name, T=args.tokens, tile=tile, splits=layer.splits, pdl=args.pdl,
                        gemm1_us=round(us1, 2), gemm2_us=round(us2, 2), bitwise_equal_to_default=equal,
                        config=[dataclasses.asdict(c) for c in cfg], git_rev=rev, command=" ".join(sys.argv))
             records.append(rec)
