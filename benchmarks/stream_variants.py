@@ -4,8 +4,9 @@ Each variant sets stream.StreamConfig fields on top of each GEMM's stream.config
 GEMM2 (w4a16, deterministic slot rows) are JIT-compiled with it through TVM-FFI on the GPU machine (source the
 offline CuTe-DSL env.sh first) and launched on the same inputs as the default configuration. Each record says
 whether its outputs equal the default's bitwise: a variant that only reschedules must; one that changes the K-slice
-count changes the fp32 summation order. Probes (PROBES) replace parts of the mainloop to see where time goes;
-their outputs are wrong by design.
+count changes the fp32 summation order. Probes (PROBES) replace parts of the mainloop (stream.py functions, or
+ptx.py ones when the name starts with "ptx.") to see where time goes; their outputs are wrong by design unless
+the probe only changes scheduling or memory ordering.
 
 Timing: one CUDA graph holds `--rotations` launches, each on its own random routing (different experts, so the
 weights stream from DRAM, not L2); replays are timed with CUDA events, median over `--iters` replays, divided by
@@ -249,6 +250,7 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
+    from moe_ext.kernels.sm90 import ptx
     from moe_ext.kernels.sm90 import stream as streaming
 
     tile = args.tile
@@ -267,7 +269,7 @@ def main():
         over = VARIANTS.get(variant, {})
         cfg = tuple(dataclasses.replace(streaming.config_for(tile, gemm), **over) for gemm in (1, 2))
         start = time.perf_counter()
-        owners = {name: streaming for name in patches}
+        owners = {name: (ptx if name.startswith("ptx.") else streaming) for name in patches}
         saved = {name: getattr(owners[name], name.split(".")[-1]) for name in patches}
         try:
             for name, fn in patches.items():
