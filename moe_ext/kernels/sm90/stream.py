@@ -51,6 +51,7 @@ class StreamConfig:
     stages: int = 6  # ring depth: stages x k_slices x 9 KB in flight
     token_elems: int = 32768  # bf16 elements of the shared token tile (64 KB): tokens x K-chunk (at most 4096)
     ctas_per_sm: int = 1  # CTAs the launch asks to fit per SM (2 caps registers at 128 for 256 threads)
+    stages_per_wait: int = 1  # stages a warp waits for before consuming them together (independent decode chains)
 
     @property
     def rows(self) -> int:
@@ -427,17 +428,58 @@ def tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exp
         for s in cutlass.range_constexpr(cfg.stages):
             if s < num_stages:
                 issue_tma_stage(sm, tid, src, first, s, steps, block, cfg)
-    for i in cutlass.range(num_stages):
-        k_run = i * cfg.k_slices * cfg.k_step
-        if k_run % chunk == 0:
-            stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group)
-        slot = i % cfg.stages
-        cute.arch.mbarrier_wait(sm.full + slot, (i // cfg.stages) % 2)
-        if i * cfg.k_slices + part < steps:
-            consume_tma_step(sm, tid, slot * cfg.k_slices + part,
-                             sm.scales + slot * (cfg.k_slices * 1024) + part * sf_step_bytes(block),
-                             (k_run % chunk + part * cfg.k_step) * 2, acc, tokens, block, cfg)
-        release_tma_stage(sm, tid, src, first, i, steps, block, cfg)
+    if cutlass.const_expr(cfg.stages_per_wait == 1):
+        for i in cutlass.range(num_stages):
+            k_run = i * cfg.k_slices * cfg.k_step
+            if k_run % chunk == 0:
+                stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group)
+            consume_tma_stage(sm, tid, i, k_run % chunk, part, steps, acc, tokens, block, cfg)
+            release_tma_stage(sm, tid, src, first, i, steps, block, cfg)
+    else:
+        # Groups of stages_per_wait whole stages: every wait first, then the consumptions with no branch between
+        # them (the scheduler can interleave their decode chains), then the releases; the rest one at a time.
+        per_group = cfg.stages_per_wait
+        assert (chunk // (cfg.k_slices * cfg.k_step)) % per_group == 0 and cfg.stages > per_group
+        groups = steps // (cfg.k_slices * per_group)
+        for g in cutlass.range(groups):
+            k_run = g * per_group * cfg.k_slices * cfg.k_step
+            if k_run % chunk == 0:
+                stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group)
+            for u in cutlass.range_constexpr(per_group):
+                i = g * per_group + u
+                cute.arch.mbarrier_wait(sm.full + i % cfg.stages, (i // cfg.stages) % 2)
+            for u in cutlass.range_constexpr(per_group):
+                consume_tma_stage(sm, tid, g * per_group + u, (k_run + u * cfg.k_slices * cfg.k_step) % chunk, part,
+                                  steps, acc, tokens, block, cfg, wait=False, check=False)
+            for u in cutlass.range_constexpr(per_group):
+                release_tma_stage(sm, tid, src, first, g * per_group + u, steps, block, cfg)
+        for i in cutlass.range(groups * per_group, num_stages):
+            k_run = i * cfg.k_slices * cfg.k_step
+            if k_run % chunk == 0:
+                stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group)
+            consume_tma_stage(sm, tid, i, k_run % chunk, part, steps, acc, tokens, block, cfg)
+            release_tma_stage(sm, tid, src, first, i, steps, block, cfg)
+
+
+@cute.jit
+def consume_tma_stage(sm: Smem, tid, stage, chunk_offset, part, steps, acc: cute.Tensor, tokens: cutlass.Constexpr,
+                      block: cutlass.Constexpr, c: cutlass.Constexpr, wait: cutlass.Constexpr = True,
+                      check: cutlass.Constexpr = True):
+    """Wait for stage `stage` (unless the caller did) and consume this K slice's step of it, if the run has that
+    step (`check`: only a run's last stage can lack one); `chunk_offset`: the stage's K offset inside the staged
+    token chunk."""
+    slot = stage % c.stages
+    if cutlass.const_expr(wait):
+        cute.arch.mbarrier_wait(sm.full + slot, (stage // c.stages) % 2)
+    if cutlass.const_expr(check):
+        if stage * c.k_slices + part < steps:
+            consume_tma_step(sm, tid, slot * c.k_slices + part,
+                             sm.scales + slot * (c.k_slices * 1024) + part * sf_step_bytes(block),
+                             (chunk_offset + part * c.k_step) * 2, acc, tokens, block, c)
+    else:
+        consume_tma_step(sm, tid, slot * c.k_slices + part,
+                         sm.scales + slot * (c.k_slices * 1024) + part * sf_step_bytes(block),
+                         (chunk_offset + part * c.k_step) * 2, acc, tokens, block, c)
 
 
 @cute.jit
