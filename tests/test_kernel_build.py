@@ -83,3 +83,18 @@ def test_streaming_configs_that_ask_for_two_ctas_per_sm_fit_two(tokens, gemm):
     c = stream.config_for(tokens, gemm)
     assert c.ctas_per_sm * (stream.shared_bytes(tokens, c) + 1024) <= 232448
     assert c.ctas_per_sm * c.threads * 128 <= 65536
+
+
+@pytest.mark.parametrize("gemm", [1, 2])
+def test_streaming_mainloop_with_two_stages_per_wait_compiles(gemm):
+    """stages_per_wait=2 (a benchmarks/stream_variants.py variant, not shipped) keeps compiling for sm_90a, on the
+    one-slice GEMM1 and the two-slice GEMM2 configurations of 8-token tiles."""
+    import dataclasses
+
+    from moe_ext.kernels.sm90 import gemm1, gemm2, stream
+
+    cfg = dataclasses.replace(stream.config_for(8, gemm), stages_per_wait=2)
+    if gemm == 1:
+        assert gemm1.compile_launch(gemm1.make_kernel("w4a16", "swiglu", 8, cfg), "--gpu-arch sm_90a") is not None
+    else:
+        assert gemm2.compile_launch(gemm2.make_kernel("w4a8", 8, cfg), "--gpu-arch sm_90a") is not None
