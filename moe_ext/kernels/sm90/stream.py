@@ -38,6 +38,7 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync
 
 from . import ptx
 from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
@@ -219,7 +220,6 @@ def weight_tma(w: cute.Tensor, experts, rows_per_expert, k_extent, c: StreamConf
     4-bit weight `w` (flat bytes, [experts, rows_per_expert, k_extent / 2]). Call in the launch function: the
     exported host code packs the descriptor from these runtime extents at each launch. The expert stride is 64-bit
     (DeepSeek-V3's W1 is 3.8e9 bytes); the launcher checks the 16-byte alignment the descriptor needs."""
-    from cutlass.cute.nvgpu import cpasync
     k_bytes = k_extent // 2
     view = cute.make_tensor(w.iterator, cute.make_layout(
         (experts, rows_per_expert, k_bytes), stride=(Int64(rows_per_expert) * Int64(k_bytes), k_bytes, 1)))
@@ -409,7 +409,6 @@ def tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exp
     """Stages of k_slices 128-K steps (K slice `part` reads step `part` of each) arrive by TMA: one box per step
     and one bulk copy of its scale tiles, counted on the stage's full barrier. No warp waits for a producer: the
     last warp done reading a stage refills its slot (release_tma_stage)."""
-    from cutlass.cute.nvgpu import cpasync
     chunk = k_chunk(tokens, cfg)
     boxes = cute.local_tile(tma_w, (1, cfg.rows, 64), (expert, first_row // cfg.rows, None))
     slots, boxes = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sm.ring, 0, 3),
