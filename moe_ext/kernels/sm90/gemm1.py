@@ -42,7 +42,8 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
     @cute.kernel
     def gemm1_kernel(x_bf16: cute.Tensor, x_q: cute.Tensor, x_sf: cute.Tensor, per_token_scale: cute.Tensor,
                      w1: cute.Tensor, w1_sf: cute.Tensor, w1_tma_atom: cute.CopyAtom, w1_tma: cute.Tensor,
-                     w1_alpha: cute.Tensor, permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
+                     w1_alpha: cute.Tensor, permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor,
+                     tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
                      out_bf16: cute.Tensor, out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor,
                      hidden: Int32, n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32,
                      p1: Float32, p2: Float32, p3: Float32, k_split: Int32):
@@ -65,8 +66,8 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
                     lambda: x_sf[token * (hidden // a_block) + kk // a_block])
                 return values, valid
 
-            streaming.accumulate(sm, tid, w1_sf, w1_tma_atom, w1_tma, expert, n_tile * cfg.rows, n1, hidden, rank, k_split, tokens,
-                                 cfg, b_block, load_group)
+            streaming.accumulate(sm, tid, w1_sf, w1_tma_atom, w1_tma, expert, n_tile * cfg.rows, n1, hidden, rank,
+                                 k_split, tokens, cfg, b_block, load_group)
             s_c = sm.out
 
             # Epilogue: thread -> (token row, half of the CTA's output columns); 2 * tokens threads.
@@ -116,9 +117,9 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
                hidden: Int32, n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32, p1: Float32,
                p2: Float32, p3: Float32, k_split: Int32, pdl: cutlass.Boolean, stream: cuda.CUstream):
         w1_tma_atom, w1_tma = streaming.weight_tma(w1, cute.size(w1_alpha), n1, hidden, cfg)
-        gemm1_kernel(x_bf16, x_q, x_sf, per_token_scale, w1, w1_sf, w1_tma_atom, w1_tma, w1_alpha, permuted_to_expanded, tile_to_expert,
-                     tile_to_mn_limit, num_live_tiles, out_bf16, out_q, out_sf, fc2_input_scale, hidden, n1, inter,
-                     col_offset, top_k, p0, p1, p2, p3, k_split).launch(
+        gemm1_kernel(x_bf16, x_q, x_sf, per_token_scale, w1, w1_sf, w1_tma_atom, w1_tma, w1_alpha,
+                     permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out_bf16, out_q, out_sf,
+                     fc2_input_scale, hidden, n1, inter, col_offset, top_k, p0, p1, p2, p3, k_split).launch(
             grid=(cute.size(tile_to_expert), n1 // cfg.rows, k_split), block=(cfg.threads, 1, 1),
             cluster=(1, 1, k_split), stream=stream, use_pdl=pdl, min_blocks_per_mp=cfg.ctas_per_sm,
             preferred_smem_carveout=100)

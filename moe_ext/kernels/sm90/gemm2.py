@@ -77,8 +77,8 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
                     lambda: a_sf[swizzled_sf_offset(0, row, kk // a_block, all_rows, inter // a_block)])
                 return values, valid
 
-            streaming.accumulate(sm, tid, w2_sf, w2_tma_atom, w2_tma, expert, n_tile * cfg.rows, hidden, inter, rank, k_split, tokens,
-                                 cfg, b_block, load_group)
+            streaming.accumulate(sm, tid, w2_sf, w2_tma_atom, w2_tma, expert, n_tile * cfg.rows, hidden, inter, rank,
+                                 k_split, tokens, cfg, b_block, load_group)
             s_c = sm.out
 
             # Epilogue: thread -> (token row, cols_per_thread consecutive output columns).
@@ -107,9 +107,9 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
                col_offset: Int32, top_k: Int32, fused: cutlass.Boolean, k_split: Int32, pdl: cutlass.Boolean,
                stream: cuda.CUstream):
         w2_tma_atom, w2_tma = streaming.weight_tma(w2, cute.size(w2_alpha), hidden, inter, cfg)
-        gemm2_kernel(a_bf16, a_q, a_sf, row_scale, w2, w2_sf, w2_tma_atom, w2_tma, w2_alpha, token_final_scales, permuted_to_expanded,
-                     tile_to_expert, tile_to_mn_limit, num_live_tiles, out, hidden, inter, out_pitch, col_offset,
-                     top_k, fused, k_split).launch(
+        gemm2_kernel(a_bf16, a_q, a_sf, row_scale, w2, w2_sf, w2_tma_atom, w2_tma, w2_alpha, token_final_scales,
+                     permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out, hidden, inter,
+                     out_pitch, col_offset, top_k, fused, k_split).launch(
             grid=(cute.size(tile_to_expert), hidden // cfg.rows, k_split), block=(cfg.threads, 1, 1),
             cluster=(1, 1, k_split), stream=stream, use_pdl=pdl, min_blocks_per_mp=cfg.ctas_per_sm,
             preferred_smem_carveout=100)

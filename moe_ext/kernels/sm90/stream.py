@@ -135,15 +135,16 @@ class Smem(NamedTuple):
 
 def allocate(tokens: int, c: StreamConfig) -> Smem:
     smem = cutlass.utils.SmemAllocator()
-    ring_w, ring_s, lut, tile, bars = (smem.allocate_tensor(cutlass.Uint8, cute.make_layout(n), 1024 if i == 0 else 16)
-                                       for i, n in enumerate(shared_pieces(tokens, c)))
+    ring_w, ring_s, lut, tile, bars = (
+        smem.allocate_tensor(cutlass.Uint8, cute.make_layout(n), 1024 if i == 0 else 16)  # TMA lands 1 KB-aligned
+        for i, n in enumerate(shared_pieces(tokens, c)))
     out = cute.make_tensor(cute.recast_ptr(tile.iterator, dtype=Float32),
                            cute.make_layout((tokens, c.rows), stride=(c.rows + 4, 1)))
     ring = cute.make_tensor(ring_w.iterator, cute.make_layout((1, c.rows, 64, c.stages * c.k_slices),
                                                               stride=(0, 64, 1, c.rows * 64)))
     full = cute.recast_ptr(bars.iterator, dtype=Int64)
-    return Smem(c.threads, row_pitch(tokens, c), ring_w.iterator.toint(), ring_s.iterator.toint(), lut.iterator.toint(),
-                tile.iterator.toint(), out, ring, full, bars.iterator.toint() + 8 * c.stages)
+    return Smem(c.threads, row_pitch(tokens, c), ring_w.iterator.toint(), ring_s.iterator.toint(),
+                lut.iterator.toint(), tile.iterator.toint(), out, ring, full, bars.iterator.toint() + 8 * c.stages)
 
 
 def fill_scale_lut(sm: Smem, tid, block: int) -> None:
@@ -427,16 +428,10 @@ def tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exp
         for s in cutlass.range_constexpr(cfg.stages):
             if s < num_stages:
                 issue_tma_stage(sm, tid, src, first, s, steps, block, cfg)
-    if cutlass.const_expr(cfg.stages_per_wait == 1):
-        for i in cutlass.range(num_stages):
-            k_run = i * cfg.k_slices * cfg.k_step
-            if k_run % chunk == 0:
-                stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group)
-            consume_tma_stage(sm, tid, i, k_run % chunk, part, steps, acc, tokens, block, cfg)
-            release_tma_stage(sm, tid, src, first, i, steps, block, cfg)
-    else:
+    first_single = 0  # the stages taken one at a time: all of them, or those after the whole groups
+    if cutlass.const_expr(cfg.stages_per_wait > 1):
         # Groups of stages_per_wait whole stages: every wait first, then the consumptions with no branch between
-        # them (the scheduler can interleave their decode chains), then the releases; the rest one at a time.
+        # them (the scheduler can interleave their decode chains), then the releases.
         per_group = cfg.stages_per_wait
         assert (chunk // (cfg.k_slices * cfg.k_step)) % per_group == 0 and cfg.stages > per_group
         groups = steps // (cfg.k_slices * per_group)
@@ -452,12 +447,13 @@ def tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exp
                                   steps, acc, tokens, block, cfg, wait=False, check=False)
             for u in cutlass.range_constexpr(per_group):
                 release_tma_stage(sm, tid, src, first, g * per_group + u, steps, block, cfg)
-        for i in cutlass.range(groups * per_group, num_stages):
-            k_run = i * cfg.k_slices * cfg.k_step
-            if k_run % chunk == 0:
-                stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group)
-            consume_tma_stage(sm, tid, i, k_run % chunk, part, steps, acc, tokens, block, cfg)
-            release_tma_stage(sm, tid, src, first, i, steps, block, cfg)
+        first_single = groups * per_group
+    for i in cutlass.range(first_single, num_stages):
+        k_run = i * cfg.k_slices * cfg.k_step
+        if k_run % chunk == 0:
+            stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group)
+        consume_tma_stage(sm, tid, i, k_run % chunk, part, steps, acc, tokens, block, cfg)
+        release_tma_stage(sm, tid, src, first, i, steps, block, cfg)
 
 
 @cute.jit
