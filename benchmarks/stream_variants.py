@@ -209,7 +209,7 @@ def make_layer(name: str, tokens: int, tile: int, rotations: int, seed: int, spl
         routings.append(r)
         inters.append(torch.zeros(r.permuted_to_expanded.numel() * inter, dtype=torch.bfloat16, device=dev))
         slots.append(torch.zeros(tokens * top_k * hidden, dtype=torch.bfloat16, device=dev))
-    tactic = launcher.default_tactic(tokens, top_k, experts, local, 2 * inter, hidden, (8, 64, 128),
+    tactic = launcher.default_tactic(tokens, top_k, experts, local, 2 * inter, hidden, launcher.TOKEN_TILES,
                                      torch.cuda.get_device_properties(0).multi_processor_count)
     return Layer(name, hidden, inter, top_k, w1, w1_sf, w2, w2_sf, alpha, x, scales, routings, inters, slots,
                  tuple(min(4, max(1, s) * split_factor) for s in tactic[1:]))

@@ -11,6 +11,8 @@ so the peers and the byte model see one definition of "slot routed to a local ex
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
 
@@ -85,69 +87,95 @@ def grouped_mm_moe(x: torch.Tensor, ids: torch.Tensor, router_weights: torch.Ten
     return out.index_add_(0, destination, y)[:num_tokens]
 
 
+def _triton_kernels_api() -> SimpleNamespace:
+    """The triton_kernels names this peer calls, as the Triton 3.6 release spells them (routing through `topk` and
+    ragged-tensor metadata; `triton_kernels.routing` is gone). Raises ImportError where one is missing."""
+    from triton_kernels.matmul_ogs import (FnSpecs, FusedActivation, GatherIndx, PrecisionConfig, RoutingData,
+                                           ScatterIndx, matmul_ogs)
+    from triton_kernels.swiglu import swiglu_fn
+    from triton_kernels.tensor import FP4, convert_layout, make_ragged_tensor_metadata, wrap_torch_tensor
+    from triton_kernels.tensor_details import layout
+    from triton_kernels.topk import topk
+    return SimpleNamespace(
+        FnSpecs=FnSpecs, FusedActivation=FusedActivation, GatherIndx=GatherIndx, PrecisionConfig=PrecisionConfig,
+        RoutingData=RoutingData, ScatterIndx=ScatterIndx, matmul_ogs=matmul_ogs, swiglu_fn=swiglu_fn, FP4=FP4,
+        convert_layout=convert_layout, make_ragged_tensor_metadata=make_ragged_tensor_metadata,
+        wrap_torch_tensor=wrap_torch_tensor, layout=layout, topk=topk)
+
+
 def triton_kernels_unavailable() -> str | None:
-    """Why triton_kernels' matmul_ogs cannot be used here, or None when it imports."""
+    """Why triton_kernels' matmul_ogs cannot be used here, or None when it imports (with the API used below)."""
     try:
-        import triton_kernels.matmul_ogs  # noqa: F401
-        import triton_kernels.routing  # noqa: F401
+        _triton_kernels_api()
     except Exception as exc:  # noqa: BLE001  (any import failure means: skip this peer)
         return f"import triton_kernels failed: {type(exc).__name__}: {exc}"
     return None
 
 
 class TritonKernelsMxfp4:
-    """triton_kernels' fused MoE: routing from the router logits, `matmul_ogs` GEMM1 with the SwiGLU fused and
-    the gather of token rows, `matmul_ogs` GEMM2 with the scatter and router weights; MXFP4 weights (e2m1 +
-    ue8m0 per 32 along K) in the Hopper swizzled layout, bf16 activations.
+    """triton_kernels' fused MoE: routing from the router logits (`topk`), `matmul_ogs` GEMM1 with the SwiGLU fused
+    and the gather of token rows, `matmul_ogs` GEMM2 with the scatter and router weights; MXFP4 weights (e2m1 +
+    ue8m0 per 32 along K) in the swizzled layouts triton_kernels picks for the GPU (on Hopper: HopperMXValueLayout
+    and HopperMXScaleLayout, the gpt-oss path), bf16 activations.
 
-    triton_kernels changes its API between releases; this follows the matmul_ogs / routing API of Triton 3.4-3.5
-    (the one vLLM pins) and tolerates the renamed fields of later ones. It has not been run here (no GPU, no
-    triton_kernels); any failure is recorded by the benchmark as that point's error. Its SwiGLU is gpt-oss's form
-    (`(up + 1)`), used for plain-SwiGLU shapes too: the cost is the same.
+    triton_kernels changes its API between releases; this follows the one of Triton 3.6 (python/triton_kernels at
+    the release/3.6.x branch point), the same calls as its own tests and bench_mlp.py. Its SwiGLU is gpt-oss's form
+    (`(up + 1)`, on interleaved [gate, up] columns of GEMM1), used for plain-SwiGLU shapes too: the cost is the same.
     """
 
     def __init__(self, w1: torch.Tensor, w1_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-                 top_k: int, activation: Activation) -> None:
-        """w1 [E, H/2, 2I] and w2 [E, I/2, H] packed e2m1 (K-major, as triton_kernels takes W[K, N]); scales
-        [E, H/32, 2I] and [E, I/32, H] ue8m0 codes."""
+                 top_k: int, activation: Activation, num_tokens: int | None = None) -> None:
+        """w1 [E, H/2, 2I] and w2 [E, I/2, H] packed e2m1 along K (the even K element in the low nibble, as
+        triton_kernels takes W[K, N]); scales [E, H/32, 2I] and [E, I/32, H] ue8m0 codes. `num_tokens`, where
+        known, picks the warps the Hopper scale layout is swizzled for as bench_mlp.py does (4 up to 512 tokens,
+        else 8, the value of its tests)."""
         reason = triton_kernels_unavailable()
         if reason:
             raise PeerUnavailable(reason)
-        from triton_kernels.matmul_ogs import FlexCtx, FnSpecs, FusedActivation, PrecisionConfig, matmul_ogs
-        from triton_kernels.numerics import InFlexData
-        from triton_kernels.routing import routing
-        from triton_kernels.swiglu import swiglu_fn
-
-        self._matmul_ogs, self._routing, self.top_k = matmul_ogs, routing, top_k
-        self.w1, scale1 = self._hopper_layout(w1, w1_scale)
-        self.w2, scale2 = self._hopper_layout(w2, w2_scale)
-        scale_field = "weight_scale" if "weight_scale" in PrecisionConfig.__dataclass_fields__ else "b_mx_scale"
-        flex = FlexCtx(rhs_data=InFlexData())
-        self.pc1 = PrecisionConfig(flex_ctx=flex, **{scale_field: scale1})
-        self.pc2 = PrecisionConfig(flex_ctx=flex, **{scale_field: scale2})
+        if activation.kind != "swiglu":
+            raise PeerUnavailable(f"triton_kernels' fused activation is SwiGLU, not {activation.kind}")
+        self._tk = tk = _triton_kernels_api()
+        self.top_k = top_k
+        num_warps = 4 if num_tokens is not None and num_tokens <= 512 else 8
+        self.w1, scale1 = self._hopper_layout(tk, w1, w1_scale, num_warps)
+        self.w2, scale2 = self._hopper_layout(tk, w2, w2_scale, num_warps)
+        self.pc1 = tk.PrecisionConfig(weight_scale=scale1)  # out_dtype: that of x (bf16)
+        self.pc2 = tk.PrecisionConfig(weight_scale=scale2)
         limit = activation.swiglu_limit if activation.swiglu_limit < FLT_MAX else None
-        args = (activation.swiglu_alpha, limit)
-        try:  # Triton 3.4-3.5: reduction_n on FusedActivation
-            self.act = FusedActivation(FnSpecs("swiglu", swiglu_fn, ("alpha", "limit")), args, 2)
-        except TypeError:  # later: reduction_n on FnSpecs
-            self.act = FusedActivation(FnSpecs("swiglu", swiglu_fn, ("alpha", "limit"), reduction_n=2), args)
+        self.act = tk.FusedActivation(tk.FnSpecs("swiglu", tk.swiglu_fn, ("alpha", "limit"), reduction_n=2),
+                                      (activation.swiglu_alpha, limit))
 
     @staticmethod
-    def _hopper_layout(packed: torch.Tensor, scale: torch.Tensor):
-        """Wrap packed weights and scales in the swizzled layouts triton_kernels' Hopper MXFP4 kernels read."""
-        from triton_kernels.tensor import FP4, convert_layout, wrap_torch_tensor
-        from triton_kernels.tensor_details import layout
+    def _hopper_layout(tk: SimpleNamespace, packed: torch.Tensor, scale: torch.Tensor, num_warps: int):
+        """K-major copies of packed weights [E, K/2, N] and scales [E, K/32, N] (matmul_ogs reads MXFP4 weights
+        column-major, and `wrap_torch_tensor` doubles the contiguous dim of packed data), in the layouts
+        triton_kernels picks for this GPU (on sm_90: HopperMXValueLayout, HopperMXScaleLayout, mx_axis 1)."""
+        value_layout, value_opts = tk.layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
+        scale_layout, scale_opts = tk.layout.make_default_matmul_mxfp4_w_scale_layout(mx_axis=1, num_warps=num_warps)
 
-        value_layout, value_opts = layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
-        scale_layout, scale_opts = layout.make_default_matmul_mxfp4_w_scale_layout(mx_axis=1, num_warps=8)
-        return (convert_layout(wrap_torch_tensor(packed, dtype=FP4), value_layout, **value_opts),
-                convert_layout(wrap_torch_tensor(scale), scale_layout, **scale_opts))
+        def k_major(t: torch.Tensor) -> torch.Tensor:
+            return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+        return (tk.convert_layout(tk.wrap_torch_tensor(k_major(packed), dtype=tk.FP4), value_layout, **value_opts),
+                tk.convert_layout(tk.wrap_torch_tensor(k_major(scale)), scale_layout, **scale_opts))
+
+    def route(self, logits: torch.Tensor):
+        """(RoutingData, GatherIndx, ScatterIndx) from logits [T, E], as triton_kernels' tests build them: `topk`
+        takes the top-k of the logits and softmaxes them (the renormalised top-k softmax the other impls are
+        given); its bitmatrix metadata sorts the T*K slots by expert, and the router weights follow that order."""
+        tk = self._tk
+        sparse = tk.topk(logits, self.top_k)
+        dispatch = sparse.mask_metadata.row_sorted_indx  # slot (token * K + k) -> its row in expert order
+        combine = sparse.mask_metadata.col_sorted_indx  # row in expert order -> slot
+        ragged = tk.make_ragged_tensor_metadata(sparse.mask_metadata.col_sum, dispatch.shape[0])
+        gammas = sparse.vals.flatten()[combine]
+        routing_data = tk.RoutingData(gammas, ragged.slice_sizes, logits.shape[-1], self.top_k, ragged)
+        return routing_data, tk.GatherIndx(combine, dispatch), tk.ScatterIndx(dispatch, combine)
 
     def __call__(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """x [T, H] bf16, logits [T, E] fp32 -> [T, H] bf16. triton_kernels' routing takes the top-k of the
-        logits and softmaxes them, which is the renormalised top-k softmax the other impls are given."""
-        routing_data, gather, scatter = self._routing(logits, self.top_k)[:3]
-        h = self._matmul_ogs(x, self.w1, None, routing_data, gather_indx=gather, precision_config=self.pc1,
-                             fused_activation=self.act)
-        return self._matmul_ogs(h, self.w2, None, routing_data, scatter_indx=scatter, precision_config=self.pc2,
-                                gammas=routing_data.gate_scal)
+        """x [T, H] bf16, logits [T, E] fp32 -> [T, H] bf16."""
+        routing_data, gather, scatter = self.route(logits)
+        h = self._tk.matmul_ogs(x, self.w1, None, routing_data, gather_indx=gather, precision_config=self.pc1,
+                                fused_activation=self.act)
+        return self._tk.matmul_ogs(h, self.w2, None, routing_data, scatter_indx=scatter, precision_config=self.pc2,
+                                   gammas=routing_data.gate_scal)

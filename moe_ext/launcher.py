@@ -217,7 +217,7 @@ def route(token_selected_experts: torch.Tensor, num_local_experts: int, local_ex
 
 ACTIVATION_KIND = {"swiglu": 0, "situ": 1, "geglu_tanh": 2, "relu2": 3}
 # Routing tiles (tokens per CTA) the GEMM kernels are compiled for: moe_ext/kernels/sm90/stream.py TOKEN_TILES.
-TOKEN_TILES = (8, 64, 128)
+TOKEN_TILES = (8, 16, 32, 64, 128)
 
 
 @functools.lru_cache(maxsize=None)
@@ -277,10 +277,12 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
                    tiles: tuple, num_sms: int, wgmma: bool = False, mixed: bool = True) -> tuple:
     """The heuristic for untuned shapes.
 
-    Tile: the smallest while an expert gets about 16 rows or fewer on average (decode: weights stream once per
-    tile and small tiles keep padding rows out of the MMAs), else the largest that an expert's rows fill (at
-    least 64): fewer tiles re-read each expert, and a 128-token tile halves the weight decode per MMA (measured
-    1.2-1.36x over 64 at T=4096, benchmarks/results/h200_tile128_profile.md).
+    Tile: up to 64, the smallest with room for twice an expert's average rows. Decode streams an expert's weights
+    once per tile, routing is uneven, and small tiles keep padding rows out of the MMAs: at 8 rows on average
+    16-token tiles were 1.29-1.40x faster than 8-token ones, at 16 rows 32-token tiles 1.9x, at 2 rows 8-token
+    tiles 1.06-1.07x faster than 16 (GEMMs alone, benchmarks/results/h200_stream_variants.md, session 8). Beyond, the
+    largest tile an expert's rows fill: fewer tiles re-read each expert, and a 128-token tile halves the weight
+    decode per MMA (measured 1.2-1.36x over 64 at T=4096, benchmarks/results/h200_tile128_profile.md).
     K split: the CTAs one GEMM would launch (expected live tiles under uniform routing x N / 128) are doubled by
     splitting K across a cluster while they still fit one per SM, so a decode step with few experts hit still
     streams from every SM.
@@ -292,7 +294,8 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     """
     local_slots = num_tokens * top_k * num_local_experts / max(1, num_experts)
     per_expert = local_slots / max(1, num_local_experts)
-    tile = min(tiles) if per_expert <= 16 else max(t for t in tiles if t <= max(64, per_expert))
+    roomy = [t for t in tiles if t >= 2 * per_expert]
+    tile = min(roomy) if roomy and min(roomy) <= 64 else max(t for t in tiles if t <= max(64, per_expert))
     if wgmma and per_expert >= 16:
         tile = WGMMA_TILE
     # Live tiles: the expected experts hit with 50% margin (a split that overshoots one wave costs more than one

@@ -10,6 +10,7 @@
 #   examples:  install, memcheck of every kernel, the examples, host overhead, fused vs deterministic finalize
 #   bench:     install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
 #   decode:    T <= 64 breakdown: graph replays (both finalize modes), per-kernel profile, ncu of each kernel alone
+#   select:    the tests PYTEST_K selects; variants: stream_variants.py once per line of VARIANT_ARGS (carry .offline)
 #   localized: install, the localized / fused-finalize / graph tests, memcheck, the localized benchmark
 # Logs and a summary go to $OUT. Prepare here, then run there (the device tool, carry .kernels):
 #   python3 -m moe_ext.kernels.sm90.build .kernels          # here, with CuTe-DSL
@@ -71,6 +72,19 @@ elif [ "$PART" = quant_wgmma ]; then
   grep -E "^(FAILED|ERROR)" "$OUT/pytest_quant.log" | head -20 | tee -a "$OUT/summary.txt"
   step bench_quant 200 python3 -m moe_ext.bench --tokens 4096 --modes w4a16,w4a4,w4a8 --finalize fused --iters 10 \
     --impls moe_ext --max-seconds-per-point 1.5 --out "$OUT/h200_quant_wgmma.json"
+elif [ "$PART" = select ]; then  # PYTEST_K: a -k expression over every test file but the 2-GPU one
+  step pytest_select 400 python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/test_distributed.py \
+    -k "$PYTEST_K" -rs
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest_select.log" | head -20 | tee -a "$OUT/summary.txt"
+elif [ "$PART" = variants ]; then  # VARIANT_ARGS: one stream_variants.py argument list per line (needs .offline)
+  tar xJf .offline/cutedsl-4.8.1-py312.tar.xz -C /tmp && . /tmp/cutedsl-4.8.1-py312/env.sh
+  n=0
+  while IFS= read -r args; do
+    [ -n "$args" ] || continue
+    n=$((n + 1))
+    step "variants_$n" 150 env PYTHONPATH="$PWD:${PYTHONPATH:-}" python3 benchmarks/stream_variants.py $args \
+      --out "$OUT/variants_$n.json"
+  done <<< "$VARIANT_ARGS"
 elif [ "$PART" = memcheck ]; then
   step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/memcheck_smoke.py
 elif [ "$PART" = grid ]; then  # GRID_SHARD: one or more K/N, space-separated; one JSON each (logs folded in)

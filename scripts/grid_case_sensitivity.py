@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from correctness_grid import groups, make_group_case, prepare_group  # noqa: E402
-from conftest import TOLERANCE, reference_and_gate, rel_l2  # noqa: E402
+from conftest import TOLERANCE, kernel_fc2_input_per_token, reference_and_gate, rel_l2  # noqa: E402
 
 import moe_ext  # noqa: E402
 from moe_ext.backends import HOPPER  # noqa: E402
@@ -20,40 +20,27 @@ from moe_ext.problem import build_problem  # noqa: E402
 
 
 def per_token_stages(problem) -> dict:
-    """w4a4 per-token, streaming tactic (8, 1, 1): the kernels' bf16 h, FC2 codes, scales and row scales against
-    the reference's GEMM1 + activation, and against the reference quantizer applied to the kernels' own h."""
+    """w4a4 per-token, streaming tactic (8, 1, 1): the kernels' bf16 h against the reference's GEMM1 + activation,
+    and their FC2 codes, scales and row scales against the reference quantizer applied to the kernels' own h."""
     import torch
 
-    from moe_ext import launcher
-    from moe_ext.quant.block import nvfp4_quantize_per_token
-    from moe_ext.quant.swizzle import unswizzle_sf
     from moe_ext.reference import activate, dequantize_input, gemm1
 
-    T, K, H, I = problem.num_tokens, problem.top_k, problem.hidden_size, problem.intermediate_size
-    routing = launcher.allocate_routing(T, K, problem.num_local_experts, 8, problem.device)
-    rows = routing.permuted_to_expanded.numel()
-    buffers = launcher.KernelBuffers.allocate(problem.quant_mode, rows, I, T, K, H, problem.device)
-    out = torch.empty(T, H, dtype=torch.bfloat16, device=problem.device)
-    launcher.forward(problem, routing, buffers, out, True, (1, 1))
-    torch.cuda.synchronize()
-    p2e = routing.permuted_to_expanded
-    live = (p2e >= 0).nonzero().flatten()
-    h_kernel = buffers.intermediate_bf16[:rows * I].view(rows, I)[live]
+    stages = kernel_fc2_input_per_token(problem)
+    K = problem.top_k
+    p2e, tile_to_expert = stages["routing"].permuted_to_expanded, stages["routing"].tile_to_expert
     x = dequantize_input(problem)
     h_ref = []
-    for row in live.tolist():
-        token, expert = int(p2e[row]) // K, int(routing.tile_to_expert[row // 8])
+    for row in stages["live"].tolist():
+        token, expert = int(p2e[row]) // K, int(tile_to_expert[row // 8])
         s1 = problem.w1_alpha[expert] * problem.per_token_scale[token]
         h_ref.append(activate(problem, s1 * gemm1(problem, x[token:token + 1], expert)).to(torch.bfloat16))
-    h_ref = torch.cat(h_ref)
-    q_ref = nvfp4_quantize_per_token(h_kernel.float(), float(problem.fc2_input_scale[0]))
-    codes = buffers.intermediate_q[:rows * I // 2].view(rows, I // 2)[live]
-    sf = unswizzle_sf(buffers.intermediate_sf, 1, rows, I // 16).reshape(rows, I // 16)[live]
-    return dict(rows=len(live), h_mismatches=int((h_kernel != h_ref).sum()),
-                h_max_rel=float(((h_kernel.float() - h_ref.float()).abs() / h_ref.float().abs().clamp_min(1e-30)).max()),
-                code_byte_mismatches=int((codes != q_ref.data).sum()),
-                sf_mismatches=int((sf != q_ref.scale.reshape(sf.shape)).sum()),
-                row_scale_kernel=buffers.row_scale[live].tolist(), row_scale_ref=q_ref.row_scale.tolist())
+    h_kernel, h_ref = stages["h"].float(), torch.cat(h_ref).float()
+    return dict(rows=len(stages["live"]), h_mismatches=int((h_kernel != h_ref).sum()),
+                h_max_rel=float(((h_kernel - h_ref).abs() / h_ref.abs().clamp_min(1e-30)).max()),
+                code_byte_mismatches=int((stages["codes"] != stages["ref_codes"]).sum()),
+                sf_mismatches=int((stages["sf"] != stages["ref_sf"].reshape(stages["sf"].shape)).sum()),
+                row_scale_kernel=stages["row_scale"].tolist(), row_scale_ref=stages["ref_row_scale"].tolist())
 
 
 def main() -> None:

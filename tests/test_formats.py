@@ -27,6 +27,7 @@ from moe_ext.quant import (
     unpack_e2m1,
     unswizzle_sf,
 )
+from moe_ext.quant.fast_math import rcp_approx
 from moe_ext.quant.formats import ue8m0_reciprocal
 from moe_ext.quant.swizzle import sf_bytes, swizzle_offsets
 
@@ -203,3 +204,22 @@ def test_localized_shards_split_rows_and_reswizzle():
     full = unswizzle_sf(p.w1_weight_sf, 2, 512, 16)
     assert torch.equal(torch.cat([s["w1_weight"] for s in shards], 1), p.w1_weight)
     assert torch.equal(torch.cat([unswizzle_sf(s["w1_weight_sf"], 2, 256, 16) for s in shards], 1), full)
+
+
+def test_rcp_approx_is_the_exact_reciprocal_on_the_cpu():
+    x = torch.tensor([6.0, 448.0, 3.0, 1 / 2688, 0.0])
+    assert torch.equal(rcp_approx(x), 1.0 / x)
+    assert rcp_approx(6.0).dtype == torch.float32 and float(rcp_approx(6.0)) == float(torch.tensor(1 / 6.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rcp_approx_on_cuda_is_within_one_ulp_and_exact_on_powers_of_two():
+    g = torch.Generator().manual_seed(0)
+    x = torch.exp2(torch.rand(1 << 20, generator=g) * 60 - 30)
+    approx = rcp_approx(x.cuda()).cpu()
+    exact = 1.0 / x
+    ulps = (approx.view(torch.int32).long() - exact.view(torch.int32).long()).abs()
+    assert int(ulps.max()) <= 1
+    powers = torch.exp2(torch.arange(-30.0, 31.0))
+    assert torch.equal(rcp_approx(powers.cuda()).cpu(), 1.0 / powers)
+    assert torch.isinf(rcp_approx(torch.zeros(1, device="cuda"))).all()

@@ -7,8 +7,8 @@ kernels' fast ex2/rcp and their summation order can move an FC2-input value acro
 
 import pytest
 import torch
-from conftest import (ACTS, GRID_FACTORS, TOLERANCE, gpu, grid_allowed, make_case, reference_and_gate, rel_l2,
-                      replays_with_new_inputs)
+from conftest import (ACTS, GRID_FACTORS, TOLERANCE, gpu, grid_allowed, kernel_fc2_input_per_token, make_case,
+                      reference_and_gate, rel_l2, replays_with_new_inputs)
 
 import moe_ext
 from moe_ext import launcher
@@ -82,6 +82,25 @@ def test_kernels_large_token_count(mode):
     case = make_case(mode, "swiglu", num_tokens=4096, top_k=8, num_experts=64, hidden=512, inter=256, seed=5,
                      invalid_fraction=0.02).to("cuda")
     check_against_reference(case, fused=False)
+
+
+@pytest.mark.parametrize("act,shape,ep_rank,tokens,top_k", [
+    ("swiglu", (256, 512), (1, 0), 128, 8),
+    ("situ", (1024, 2048), (1, 0), 1, 2),  # the grid's failing shape while the reference used exact reciprocals
+    ("swiglu_oai", (1024, 2048), (8, 3), 37, 8),
+    ("geglu_tanh", (2048, 768), (1, 0), 515, 2),
+], ids=str)
+def test_per_token_fc2_quantization_is_the_reference_quantizer_bit_for_bit(act, shape, ep_rank, tokens, top_k):
+    """Semantics §2.4b: the kernels quantize their own bf16 h with rcp.approx reciprocals; the reference quantizer,
+    given that h, must produce the same codes, block scales and row scales."""
+    hidden, inter = shape
+    case = make_case("w4a4_pt", act, num_tokens=tokens, top_k=top_k, num_experts=16, hidden=hidden, inter=inter,
+                     ep=ep_rank[0], rank=ep_rank[1], seed=tokens * 10 + top_k, weight_scale=0.02).to("cuda")
+    stages = kernel_fc2_input_per_token(build_problem(**case.kwargs()))
+    assert stages["live"].numel() > 0
+    assert torch.equal(stages["row_scale"], stages["ref_row_scale"])
+    assert torch.equal(stages["sf"], stages["ref_sf"].reshape(stages["sf"].shape))
+    assert torch.equal(stages["codes"], stages["ref_codes"])
 
 
 def test_unsupported_shape_falls_back_to_the_reference_with_a_warning():

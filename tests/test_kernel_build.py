@@ -13,7 +13,7 @@ def test_every_shipped_kernel_compiles_for_sm90a(tmp_path):
     subprocess.run([sys.executable, "-m", "moe_ext.kernels.sm90.build", str(tmp_path)], check=True)
     names = (tmp_path / "kernels.txt").read_text().split()
     gemms = []
-    for tokens in (8, 64, 128):
+    for tokens in (8, 16, 32, 64, 128):
         gemms += [f"moe_gemm1_{mode}_{kind}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
         gemms += [f"moe_gemm2_{mode}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")]
@@ -74,7 +74,7 @@ def test_launcher_table_generation_from_a_header(tmp_path):
 
 
 @pytest.mark.parametrize("gemm", [1, 2])
-@pytest.mark.parametrize("tokens", [8, 64, 128])
+@pytest.mark.parametrize("tokens", [8, 16, 32, 64, 128])
 def test_streaming_configs_that_ask_for_two_ctas_per_sm_fit_two(tokens, gemm):
     """min_blocks_per_mp=2 caps registers at 128 a thread; shared memory (plus the 1 KB the driver reserves per
     CTA) and threads must let two CTAs share the SM's 227 KB and 64K registers, or the request is a lie."""

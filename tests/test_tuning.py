@@ -100,13 +100,16 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     # Prefill: the large tile, no split.
     assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132) == (64, 1, 1)
     assert len(launcher.tactics(tiles)) == len(tiles) * len(launcher.K_SPLITS) ** 2
-    # With the 128-token tile: it is taken only where an expert's rows fill it (128 per expert at T=4096 on
-    # DeepSeek-V3, 1024 on Mixtral); 32 per expert (T=1024) stays on 64.
-    tiles = (8, 64, 128)
+    # With every tile: the 128-token one only where an expert's rows fill it (128 per expert at T=4096 on
+    # DeepSeek-V3, 1024 on Mixtral); 32 per expert (T=1024) stays on 64; below, room for twice the average rows.
+    tiles = launcher.TOKEN_TILES
     assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132)[0] == 128
     assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, tiles, 132)[0] == 128
     assert launcher.default_tactic(1024, 8, 256, 256, 4096, 7168, tiles, 132)[0] == 64
     assert launcher.default_tactic(1, 8, 256, 256, 4096, 7168, tiles, 132)[0] == 8
+    assert launcher.default_tactic(64, 8, 256, 256, 4096, 7168, tiles, 132)[0] == 8  # 2 rows per expert
+    assert launcher.default_tactic(256, 8, 256, 256, 4096, 7168, tiles, 132)[0] == 16  # 8
+    assert launcher.default_tactic(256, 8, 128, 128, 1536, 2048, tiles, 132)[0] == 32  # 16
     # With the wgmma GEMMs linked, unsplit 128-token tiles run them; decode keeps the streaming kernels.
     W = launcher.WGMMA
     assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132, wgmma=True) == (128, W, W)
@@ -115,7 +118,7 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     # ... and from 16 rows per expert on (measured faster than the streaming tiles there).
     assert launcher.default_tactic(1024, 8, 256, 256, 4096, 7168, tiles, 132, wgmma=True) == (128, W, W)
     assert launcher.default_tactic(512, 8, 256, 32, 4096, 7168, tiles, 132, wgmma=True) == (128, W, W)
-    assert launcher.default_tactic(256, 8, 256, 32, 4096, 7168, tiles, 132, wgmma=True)[0] == 8
+    assert launcher.default_tactic(256, 8, 256, 32, 4096, 7168, tiles, 132, wgmma=True)[0] == 16
     added = set(launcher.tactics(tiles, wgmma=True)) - set(launcher.tactics(tiles))
     assert added == {(128, a, b) for a in launcher.K_SPLITS + (W,) for b in launcher.K_SPLITS + (W,) if W in (a, b)}
     # The quantized modes take the wgmma GEMMs together, and only where neither would split K.

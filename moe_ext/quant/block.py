@@ -2,8 +2,8 @@
 
 Shapes: a [R, C] float input gives codes [R, C] (packed to [R, C/2] for fp4) and scale bytes [R, C / block].
 The swizzled layout of the weights is a separate step (`swizzle.py`). Formulas follow semantics §2.4 and the
-caller-side `fp4_quantize` / `mxfp8_quantize` of FlashInfer; exact reciprocals stand in for the rcp.approx of the
-CUDA quantizers, which can differ by one ulp (see semantics §2.4a, "Caution").
+caller-side `fp4_quantize` / `mxfp8_quantize` of FlashInfer. The NVFP4 scales are formed with the CUDA quantizers'
+`rcp.approx.ftz` reciprocal (`fast_math.rcp_approx`: the instruction itself on CUDA tensors, exact on the CPU).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from .formats import (
     ue8m0_reciprocal,
     unpack_e2m1,
 )
+from .fast_math import rcp_approx
 
 NVFP4_BLOCK = 16
 MX_BLOCK = 32
@@ -53,7 +54,8 @@ class BlockQuantized:
 def nvfp4_quantize(x: torch.Tensor, global_scale: float | torch.Tensor = 1.0) -> BlockQuantized:
     """NVFP4 with a global encode scale gs (FlashInfer `fp4_quantize`, sf_vec 16, e4m3 scales).
 
-    SF = e4m3(gs * amax/6); q = e2m1(x / (SF / gs)). Dequantized values are q * SF (the 1/gs lives in alpha).
+    SF = e4m3(gs * amax/6); q = e2m1(x * rcp(SF * rcp(gs))) (semantics §2.4a, "Caution"). Dequantized values are
+    q * SF (the 1/gs lives in alpha).
     `global_scale` may be a tensor broadcastable against the leading dimensions (e.g. one per expert: [E, 1, 1]).
     """
     blocks = _blocks(x, NVFP4_BLOCK)
@@ -62,21 +64,22 @@ def nvfp4_quantize(x: torch.Tensor, global_scale: float | torch.Tensor = 1.0) ->
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     sf = e4m3_encode(gs * (amax * (1.0 / E2M1_MAX)))
     sf_f = e4m3_decode(sf)
-    mult = torch.where(sf_f == 0, torch.zeros_like(sf_f), 1.0 / (sf_f * (1.0 / gs)))
+    mult = torch.where(sf_f == 0, torch.zeros_like(sf_f), rcp_approx(sf_f * rcp_approx(gs)))
     codes = e2m1_encode(blocks * mult).reshape(x.shape)
     return BlockQuantized(pack_e2m1(codes), sf.squeeze(-1))
 
 
 def nvfp4_quantize_per_token(x: torch.Tensor, global_scale_inv: float) -> BlockQuantized:
-    """Per-row NVFP4 (semantics §1.7, §2.4b): row_scale = rowamax * gsi and x ~= q * SF * row_scale."""
+    """Per-row NVFP4 (semantics §1.7, §2.4b): row_scale = rowamax * gsi and x ~= q * SF * row_scale; the scale
+    arithmetic is FlashInfer's per-token quantizer's, op for op (enc = rcp(row_scale), mult = rcp(SF * rcp(enc)))."""
     blocks = _blocks(x, NVFP4_BLOCK)
     row_amax = blocks.abs().amax(dim=(-1, -2))
     row_scale = row_amax * torch.tensor(global_scale_inv, dtype=torch.float32)
-    enc = torch.where(row_amax == 0, torch.full_like(row_scale, FLT_MAX), 1.0 / row_scale)[..., None, None]
+    enc = torch.where(row_amax == 0, torch.full_like(row_scale, FLT_MAX), rcp_approx(row_scale))[..., None, None]
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    sf = e4m3_encode(enc * (amax * (1.0 / E2M1_MAX)))
+    sf = e4m3_encode(enc * (amax * rcp_approx(E2M1_MAX, x.device)))
     sf_f = e4m3_decode(sf)
-    mult = torch.where(sf_f == 0, torch.zeros_like(sf_f), 1.0 / (sf_f * (1.0 / enc)))
+    mult = torch.where(sf_f == 0, torch.zeros_like(sf_f), rcp_approx(sf_f * rcp_approx(enc)))
     codes = e2m1_encode(blocks * mult).reshape(x.shape)
     return BlockQuantized(pack_e2m1(codes), sf.squeeze(-1), row_scale)
 
@@ -116,13 +119,13 @@ def mxfp8_dequantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def nvfp4_quantize_fc2_input(h: torch.Tensor, gs2: torch.Tensor) -> BlockQuantized:
     """The per-tensor NVFP4 quantization inside the GEMM1 epilogue (semantics §2.4a), straight from fp32.
 
-    SF = e4m3((amax * 1/6) * gs2); q = e2m1(h * min(gs2 * 1/SF, FLT_MAX)). It differs from `nvfp4_quantize` in
+    SF = e4m3((amax * 1/6) * gs2); q = e2m1(h * min(gs2 * rcp(SF), FLT_MAX)). It differs from `nvfp4_quantize` in
     how the encode multiplier is formed, which can flip a rounding decision.
     """
     blocks = _blocks(h, NVFP4_BLOCK)
     gs2 = gs2.float().reshape(())
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     sf = e4m3_encode((amax * (1.0 / E2M1_MAX)) * gs2)
-    mult = torch.clamp_max(gs2 * (1.0 / e4m3_decode(sf)), FLT_MAX)
+    mult = torch.clamp_max(gs2 * rcp_approx(e4m3_decode(sf)), FLT_MAX)
     codes = e2m1_encode(blocks * mult).reshape(h.shape)
     return BlockQuantized(pack_e2m1(codes), sf.squeeze(-1))

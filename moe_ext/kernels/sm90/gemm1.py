@@ -41,8 +41,8 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
 
     @cute.kernel
     def gemm1_kernel(x_bf16: cute.Tensor, x_q: cute.Tensor, x_sf: cute.Tensor, per_token_scale: cute.Tensor,
-                     w1: cute.Tensor, w1_sf: cute.Tensor, w1_tma_atom: cute.CopyAtom, w1_tma: cute.Tensor,
-                     w1_alpha: cute.Tensor, permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor,
+                     w1_sf: cute.Tensor, w1_tma_atom: cute.CopyAtom, w1_tma: cute.Tensor, w1_alpha: cute.Tensor,
+                     permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor,
                      tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
                      out_bf16: cute.Tensor, out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor,
                      hidden: Int32, n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32,
@@ -117,7 +117,7 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
                hidden: Int32, n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32, p1: Float32,
                p2: Float32, p3: Float32, k_split: Int32, pdl: cutlass.Boolean, stream: cuda.CUstream):
         w1_tma_atom, w1_tma = streaming.weight_tma(w1, cute.size(w1_alpha), n1, hidden, cfg)
-        gemm1_kernel(x_bf16, x_q, x_sf, per_token_scale, w1, w1_sf, w1_tma_atom, w1_tma, w1_alpha,
+        gemm1_kernel(x_bf16, x_q, x_sf, per_token_scale, w1_sf, w1_tma_atom, w1_tma, w1_alpha,
                      permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out_bf16, out_q, out_sf,
                      fc2_input_scale, hidden, n1, inter, col_offset, top_k, p0, p1, p2, p3, k_split).launch(
             grid=(cute.size(tile_to_expert), n1 // cfg.rows, k_split), block=(cfg.threads, 1, 1),

@@ -52,8 +52,8 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
 
     @cute.kernel
     def gemm2_kernel(a_bf16: cute.Tensor, a_q: cute.Tensor, a_sf: cute.Tensor, row_scale: cute.Tensor,
-                     w2: cute.Tensor, w2_sf: cute.Tensor, w2_tma_atom: cute.CopyAtom, w2_tma: cute.Tensor,
-                     w2_alpha: cute.Tensor, token_final_scales: cute.Tensor,
+                     w2_sf: cute.Tensor, w2_tma_atom: cute.CopyAtom, w2_tma: cute.Tensor, w2_alpha: cute.Tensor,
+                     token_final_scales: cute.Tensor,
                      permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor,
                      num_live_tiles: cute.Tensor, out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32,
                      col_offset: Int32, top_k: Int32, fused: cutlass.Boolean, k_split: Int32):
@@ -107,7 +107,7 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
                col_offset: Int32, top_k: Int32, fused: cutlass.Boolean, k_split: Int32, pdl: cutlass.Boolean,
                stream: cuda.CUstream):
         w2_tma_atom, w2_tma = streaming.weight_tma(w2, cute.size(w2_alpha), hidden, inter, cfg)
-        gemm2_kernel(a_bf16, a_q, a_sf, row_scale, w2, w2_sf, w2_tma_atom, w2_tma, w2_alpha, token_final_scales,
+        gemm2_kernel(a_bf16, a_q, a_sf, row_scale, w2_sf, w2_tma_atom, w2_tma, w2_alpha, token_final_scales,
                      permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out, hidden, inter,
                      out_pitch, col_offset, top_k, fused, k_split).launch(
             grid=(cute.size(tile_to_expert), hidden // cfg.rows, k_split), block=(cfg.threads, 1, 1),

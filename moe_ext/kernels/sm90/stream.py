@@ -103,7 +103,7 @@ def accumulator_size(tokens: int) -> int:
     return chains(tokens) * tokens // 8 * 4
 
 
-TOKEN_TILES = (8, 64, 128)  # the routing tiles the kernels are compiled for (tokens per CTA)
+TOKEN_TILES = (8, 16, 32, 64, 128)  # the routing tiles the kernels are compiled for (tokens per CTA)
 
 BF16X2_2P63 = 0x5F005F00  # bf16 2^63 in both halves
 BF16X2_2P120 = 0x7B807B80
