@@ -280,7 +280,7 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     Tile: up to 64, the smallest with room for twice an expert's average rows. Decode streams an expert's weights
     once per tile, routing is uneven, and small tiles keep padding rows out of the MMAs: at 8 rows on average
     16-token tiles were 1.29-1.40x faster than 8-token ones, at 16 rows 32-token tiles 1.9x, at 2 rows 8-token
-    tiles 1.06-1.07x faster than 16 (GEMMs alone, benchmarks/results/h200_stream_variants.md, session 8). Beyond, the
+    tiles 1.06-1.07x faster than 16 (GEMMs alone, benchmarks/results/h200_session8_checks.md §4). Beyond, the
     largest tile an expert's rows fill: fewer tiles re-read each expert, and a 128-token tile halves the weight
     decode per MMA (measured 1.2-1.36x over 64 at T=4096, benchmarks/results/h200_tile128_profile.md).
     K split: the CTAs one GEMM would launch (expected live tiles under uniform routing x N / 128) are doubled by
