@@ -667,7 +667,7 @@ def run_triton_kernels(run: Run, shape: Shape, num_tokens: int, sets: list[Routi
 
     def measure() -> dict:
         moes = [TritonKernelsMxfp4(*random_mxfp4_kn_weights(point, run.device, run.generator(sets[0].seed + c)),
-                                   shape.top_k, shape.act) for c in range(copies)]
+                                   shape.top_k, shape.act, num_tokens=num_tokens) for c in range(copies)]
         inputs = [(random_activations(num_tokens, shape.hidden, s.seed, run.device), s.logits) for s in sets]
         forwards = [lambda i=i, m=m: m(*i) for i, m in rotated(inputs, moes, max(len(inputs), copies))]
         forwards[0]()  # eager warm-up: Triton compiles its kernels before capture
