@@ -198,3 +198,41 @@ def mma_bf16_16816(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
                   "{$8, $9}, {$10, $11, $12, $13};",
                   "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", result_type=T.f32())
     return [Float32(v) for v in values]
+
+
+@dsl_user_op
+def wgmma_fence(*, loc=None, ip=None) -> None:
+    """Registers written since the last wgmma (its A operand, the accumulators) are ready for the next ones."""
+    _asm(0, [], "wgmma.fence.sync.aligned;", "~{memory}", side_effects=True)
+
+
+@dsl_user_op
+def wgmma_commit(*, loc=None, ip=None) -> None:
+    _asm(0, [], "wgmma.commit_group.sync.aligned;", "~{memory}", side_effects=True)
+
+
+@dsl_user_op
+def wgmma_wait(pending: int, *, loc=None, ip=None) -> None:
+    """Wait until at most `pending` committed wgmma groups of this warpgroup are in flight."""
+    _asm(0, [], f"wgmma.wait_group.sync.aligned {pending};", "~{memory}", side_effects=True)
+
+
+def smem_descriptor_k_major(addr: Int32, k_half_bytes: int, group_bytes: int) -> Int64:
+    """wgmma descriptor of an unswizzled K-major operand at shared address `addr`: 8-row x 16-byte core matrices,
+    the second K half of a k16 step `k_half_bytes` on (LBO), the next 8 rows `group_bytes` on (SBO)."""
+    return ((Int64(addr) >> 4) & Int64(0x3FFF)) | (Int64(k_half_bytes >> 4) << 16) | (Int64(group_bytes >> 4) << 32)
+
+
+@dsl_user_op
+def wgmma_bf16_rs(acc: list, a: list, b_desc: Int64, *, loc=None, ip=None) -> list:
+    """acc (m64 x n, n = 2 * len(acc), fp32, the mma.sync C fragment order per 8 columns) += A (m64 x k16 bf16, this
+    thread's mma.sync m16n8k16 A fragment of its warp's 16 rows, in registers) x B (k16 x n bf16, K-major in
+    shared memory, `b_desc`). Asynchronous: fence before, commit and wait after."""
+    n = len(acc)
+    d = ", ".join(f"${i}" for i in range(n))
+    text = (f"wgmma.mma_async.sync.aligned.m64n{2 * n}k16.f32.bf16.bf16 {{{d}}}, "
+            f"{{${n}, ${n + 1}, ${n + 2}, ${n + 3}}}, ${n + 4}, 1, 1, 1, 0;")
+    constraints = ",".join(["=f"] * n + ["r"] * 4 + ["l"] + [str(i) for i in range(n)])
+    args = [Int32(v) for v in a] + [Int64(b_desc)] + [Float32(v) for v in acc]
+    values = _asm(n, args, text, constraints, side_effects=True, result_type=T.f32())
+    return [Float32(v) for v in (values if n > 1 else [values])]

@@ -53,6 +53,10 @@ class StreamConfig:
     token_elems: int = 32768  # bf16 elements of the shared token tile (64 KB): tokens x K-chunk (at most 4096)
     ctas_per_sm: int = 1  # CTAs the launch asks to fit per SM (2 caps registers at 128 for 256 threads)
     stages_per_wait: int = 1  # stages a warp waits for before consuming them together (independent decode chains)
+    # "sync": each warp's mma.sync m16n8k16 per 8 tokens, B fragments loaded from the padded token tile. "wgmma":
+    # one warpgroup wgmma per k16 for all the tokens, the decoded weights as its register A operand and the token
+    # tile in the canonical K-major layout (a benchmarks/stream_variants.py variant, not shipped yet).
+    mma: str = "sync"
 
     @property
     def rows(self) -> int:
@@ -94,13 +98,14 @@ def shared_bytes(tokens: int, c: StreamConfig) -> int:
     return sum(shared_pieces(tokens, c))
 
 
-def chains(tokens: int) -> int:
-    """Independent accumulator sets per n-tile: with one n-tile, four sets break the MMA dependency chain."""
-    return 4 if tokens <= 8 else 1
+def chains(tokens: int, c: StreamConfig) -> int:
+    """Independent accumulator sets per n-tile: with one n-tile, four sets break the mma.sync dependency chain
+    (wgmma runs its accumulation asynchronously)."""
+    return 4 if tokens <= 8 and c.mma == "sync" else 1
 
 
-def accumulator_size(tokens: int) -> int:
-    return chains(tokens) * tokens // 8 * 4
+def accumulator_size(tokens: int, c: StreamConfig) -> int:
+    return chains(tokens, c) * tokens // 8 * 4
 
 
 TOKEN_TILES = (8, 16, 32, 64, 128)  # the routing tiles the kernels are compiled for (tokens per CTA)
@@ -184,13 +189,14 @@ def consume_tma_step(sm: Smem, tid, slot, scales, tile_offset, acc: cute.Tensor,
     def group(row):
         return ptx.ld_shared_b32(tiles + (row % 32) * 16 + (row // 32) * 4)
 
-    multiply_step(sm, tid, ptx.ld_shared_v4(rows + r * 64), ptx.ld_shared_v4(rows + (r + 8) * 64),
-                  _scale_pairs(sm, group(r), tid, block), _scale_pairs(sm, group(r + 8), tid, block), tile_offset,
-                  acc, tokens)
+    multiply = multiply_step_wgmma if c.mma == "wgmma" else multiply_step
+    multiply(sm, tid, ptx.ld_shared_v4(rows + r * 64), ptx.ld_shared_v4(rows + (r + 8) * 64),
+             _scale_pairs(sm, group(r), tid, block), _scale_pairs(sm, group(r + 8), tid, block), tile_offset, acc,
+             tokens, c)
 
 
 def multiply_step(sm: Smem, tid, w0: list, w1: list, s0: list, s1: list, tile_offset, acc: cute.Tensor,
-                  tokens: int):
+                  tokens: int, c: StreamConfig):
     """Decode this thread's 16 bytes of rows r and r + 8 (with their bf16x2 scales) and multiply them into acc."""
     lane = tid % 32
     t = lane % 4
@@ -203,12 +209,47 @@ def multiply_step(sm: Smem, tid, w0: list, w1: list, s0: list, s1: list, tile_of
         for nt in range(tokens // 8):
             b = ptx.ld_shared_v4(row_base + nt * 8 * sm.pitch + chunk * 16)
             for h in range(2):
-                base = ((2 * j + h) % chains(tokens) * (tokens // 8) + nt) * 4
-                c = [acc[base + i] for i in range(4)]
+                base = ((2 * j + h) % chains(tokens, c) * (tokens // 8) + nt) * 4
+                prev = [acc[base + i] for i in range(4)]
                 d = ptx.mma_bf16_16816([a0[2 * h], a1[2 * h], a0[2 * h + 1], a1[2 * h + 1]],
-                                       [b[2 * h], b[2 * h + 1]], c)
+                                       [b[2 * h], b[2 * h + 1]], prev)
                 for i in range(4):
                     acc[base + i] = d[i]
+
+
+def multiply_step_wgmma(sm: Smem, tid, w0: list, w1: list, s0: list, s1: list, tile_offset, acc: cute.Tensor,
+                        tokens: int, c: StreamConfig):
+    """multiply_step as one warpgroup wgmma per k16 for all the tokens. A warp's mma.sync A fragment is exactly its
+    16-row slice of the warpgroup's m64 A operand, and the accumulator order per 8 tokens is the same, so the decode
+    and the accumulator layout do not change; the token tile is read through descriptors (wgmma_tile_offset)."""
+    a0 = [ptx.e2m1x8_to_bf16x2(w0[j], s0[j]) for j in range(4)]
+    a1 = [ptx.e2m1x8_to_bf16x2(w1[j], s1[j]) for j in range(4)]
+    # tile_offset = 2 x the step's K inside the chunk, and a step takes 256 * tokens bytes. The virtual steps' start
+    # addresses differ by constants that stay inside the descriptor's 14-bit address field (shared memory < 256 KB).
+    step = ptx.smem_descriptor_k_major(sm.tokens + tile_offset * tokens, 16 * tokens, 128)
+    ptx.wgmma_fence()
+    for j in range(4):
+        for h in range(2):
+            desc = step + Int64(((2 * j + h) * 32 * tokens) >> 4)
+            d = ptx.wgmma_bf16_rs([acc[i] for i in range(tokens // 2)],
+                                  [a0[j][2 * h], a1[j][2 * h], a0[j][2 * h + 1], a1[j][2 * h + 1]], desc)
+            for i in range(tokens // 2):
+                acc[i] = d[i]
+    ptx.wgmma_commit()
+    ptx.wgmma_wait(0)
+
+
+def wgmma_tile_offset(tokens: int, row, group, word) -> Int32:
+    """Byte offset in the token K-chunk of word `word` (tile order: values x_word, x_word+4) of the 8-value group
+    `group` (K = 8 group) of token `row`, in the wgmma layout. A 128-K step is 8 virtual k16 steps v = 2j + h of
+    32 * tokens bytes, each two 16 * tokens-byte K halves (core matrix c) of 8-token x 16-byte core matrices. The
+    thread t of a quad holding weight word j (K = 32t + 8j .. + 7 of the step) feeds slot 2t + e of half c of step
+    (j, h) with K = 32t + 8j + 2h + c + 4e, so word w = 2h + c of group 4t + j lands in 4 bytes at slot 2t."""
+    step, m = group // 16, group % 16
+    t, j = m // 4, m % 4
+    v = 2 * j + word // 2
+    return (step * 256 * tokens + v * 32 * tokens + (word % 2) * 16 * tokens + (row // 8) * 128 + (row % 8) * 16
+            + t * 4)
 
 
 def sf_step_bytes(block: int) -> int:
@@ -275,10 +316,14 @@ def token_group(a_format: str, values_bf16: cute.Tensor, values_q: cute.Tensor, 
     return mxfp8x8_to_tile(lo_hi[0], lo_hi[1], ue8m0_to_f32(Int32(scale_byte())))
 
 
-def store_chunk(sm: Smem, row, chunk, values: list, valid) -> None:
+def store_chunk(sm: Smem, row, chunk, values: list, valid, tokens: int, c: StreamConfig) -> None:
     zero = Int32(0)
     v = [Int32(cutlass.select_(valid, x, zero)) for x in values]
-    ptx.st_shared_v4(tile_address(sm, row, chunk), v[0], v[1], v[2], v[3])
+    if c.mma == "wgmma":
+        for w in range(4):
+            ptx.st_shared_b32(sm.tokens + wgmma_tile_offset(tokens, row, chunk, w), v[w])
+    else:
+        ptx.st_shared_v4(tile_address(sm, row, chunk), v[0], v[1], v[2], v[3])
 
 
 def store_accumulators(sm: Smem, tid, acc: cute.Tensor, tokens: int, c: StreamConfig, add: bool) -> None:
@@ -291,7 +336,7 @@ def store_accumulators(sm: Smem, tid, acc: cute.Tensor, tokens: int, c: StreamCo
     for nt in range(tokens // 8):
         for i in range(4):
             value = acc[nt * 4 + i]
-            for chain in range(1, chains(tokens)):
+            for chain in range(1, chains(tokens, c)):
                 value = value + acc[(chain * (tokens // 8) + nt) * 4 + i]
             at = (nt * 8 + 2 * t + i % 2, warp * 16 + g + 8 * (i // 2))
             sm.out[at] = sm.out[at] + value if add else value
@@ -333,7 +378,7 @@ def accumulate(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exper
     k_slices-th step of the run: its j-th step is first + j * k_slices + part.
     """
     fill_scale_lut(sm, tid, block)  # read after the first staging barrier below
-    acc = cute.make_rmem_tensor((accumulator_size(tokens),), Float32)
+    acc = cute.make_rmem_tensor((accumulator_size(tokens, cfg),), Float32)
     acc.fill(0.0)
     first, steps = k_range(k_extent // cfg.k_step, rank, k_split)
     k_end = (first + steps) * cfg.k_step
@@ -367,7 +412,9 @@ def stage_tokens(sm, tid, first, k_run, k_end, tokens: cutlass.Constexpr, cfg: c
         r = task // (chunk // 8)
         c = task % (chunk // 8)
         values, valid = load_group(r, first * cfg.k_step + k_run + c * 8, k_end)
-        store_chunk(sm, r, c, values, valid)
+        store_chunk(sm, r, c, values, valid, tokens, cfg)
+    if cutlass.const_expr(cfg.mma == "wgmma"):
+        ptx.fence_proxy_async_shared()  # the tile is read by wgmma (async proxy)
     cute.arch.sync_threads()
 
 
