@@ -34,21 +34,22 @@ step() {  # step NAME TIMEOUT COMMAND...: run, log to $OUT/NAME.log, note rc and
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "$name rc=$? :: $(tail -n 1 "$OUT/$name.log")" | tee -a "$OUT/summary.txt"
 }
+tests_step() {  # tests_step NAME TIMEOUT PYTEST-ARGS...: a pytest step, its failures copied into the summary
+  local name=$1 limit=$2; shift 2
+  step "$name" "$limit" python3 -m pytest -q -p no:cacheprovider "$@"
+  grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -20 | tee -a "$OUT/summary.txt"
+}
 for PART in $PARTS; do
 echo "== $PART" >> "$OUT/summary.txt"
 if [ "$PART" = tests ]; then
-  step pytest 540 python3 -m pytest -q -p no:cacheprovider tests -rs --durations=15
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20 | tee -a "$OUT/summary.txt"
+  tests_step pytest 540 tests -rs --durations=15
 elif [ "$PART" = kernels ]; then
-  step pytest_kernels 400 python3 -m pytest -q -p no:cacheprovider tests/test_hopper_kernels.py -rs --durations=10
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest_kernels.log" | head -20 | tee -a "$OUT/summary.txt"
+  tests_step pytest_kernels 400 tests/test_hopper_kernels.py -rs --durations=10
 elif [ "$PART" = rest ]; then
-  step pytest_rest 400 python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/test_hopper_kernels.py \
+  tests_step pytest_rest 400 tests --ignore=tests/test_hopper_kernels.py \
     --ignore=tests/test_distributed.py -rs --durations=10
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest_rest.log" | head -20 | tee -a "$OUT/summary.txt"
 elif [ "$PART" = ep ]; then
-  step pytest_ep 300 python3 -m pytest -q -p no:cacheprovider tests/test_distributed.py -rs
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest_ep.log" | head -20 | tee -a "$OUT/summary.txt"
+  tests_step pytest_ep 300 tests/test_distributed.py -rs
   step example_ep 120 torchrun --nproc_per_node=2 examples/expert_parallel.py --tokens 64
 elif [ "$PART" = bench_ep ]; then
   step bench_ep1 150 torchrun --nproc_per_node=1 benchmarks/bench_expert_parallel.py \
@@ -56,9 +57,8 @@ elif [ "$PART" = bench_ep ]; then
   step bench_ep2 150 torchrun --nproc_per_node=2 benchmarks/bench_expert_parallel.py --tokens 64,1024,8192 \
     --out "$OUT/h200x2_expert_parallel.json"
 elif [ "$PART" = wgmma ]; then
-  step pytest_wgmma 300 python3 -m pytest -q -p no:cacheprovider tests/test_hopper_kernels.py tests/test_localized.py \
+  tests_step pytest_wgmma 300 tests/test_hopper_kernels.py tests/test_localized.py \
     tests/test_tuning.py -k "w4a16 or wgmma or localized or tactic" -rs
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest_wgmma.log" | head -20 | tee -a "$OUT/summary.txt"
   step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/memcheck_smoke.py
   step profile_wgmma 60 python3 benchmarks/profile_kernels.py \
     --points qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096
@@ -67,15 +67,13 @@ elif [ "$PART" = wgmma ]; then
   step bench_wgmma 220 python3 -m moe_ext.bench --tokens 1024,4096 --modes w4a16 --finalize fused --iters 20 \
     --max-seconds-per-point 1.5 --out "$OUT/h200_wgmma.json"
 elif [ "$PART" = quant_wgmma ]; then
-  step pytest_quant 330 python3 -m pytest -q -p no:cacheprovider tests/test_hopper_kernels.py -k "w4a4 or w4a8" -rs \
+  tests_step pytest_quant 330 tests/test_hopper_kernels.py -k "w4a4 or w4a8" -rs \
     --maxfail=10
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest_quant.log" | head -20 | tee -a "$OUT/summary.txt"
   step bench_quant 200 python3 -m moe_ext.bench --tokens 4096 --modes w4a16,w4a4,w4a8 --finalize fused --iters 10 \
     --impls moe_ext --max-seconds-per-point 1.5 --out "$OUT/h200_quant_wgmma.json"
 elif [ "$PART" = select ]; then  # PYTEST_K: a -k expression over every test file but the 2-GPU one
-  step pytest_select 400 python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/test_distributed.py \
+  tests_step pytest_select 400 tests --ignore=tests/test_distributed.py \
     -k "$PYTEST_K" -rs
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest_select.log" | head -20 | tee -a "$OUT/summary.txt"
 elif [ "$PART" = variants ]; then  # VARIANT_ARGS: one stream_variants.py argument list per line (needs .offline)
   tar xJf .offline/cutedsl-4.8.1-py312.tar.xz -C /tmp && . /tmp/cutedsl-4.8.1-py312/env.sh
   n=0
@@ -123,9 +121,8 @@ elif [ "$PART" = decode_stalls ]; then  # where the streaming GEMMs' warps wait 
     --section SourceCounters --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
     python3 benchmarks/profile_kernels.py --points ${DECODE_POINTS:-qwen3-30b-a3b:1,mixtral-8x7b:1} --fused --ncu
 elif [ "$PART" = localized ]; then
-  step pytest_localized 300 python3 -m pytest -q -p no:cacheprovider tests/test_localized.py tests/test_plan.py \
+  tests_step pytest_localized 300 tests/test_localized.py tests/test_plan.py \
     tests/test_hopper_kernels.py -k "localized or fused_finalize or graph_capture or acceptance" -rs
-  grep -E "^(FAILED|ERROR)" "$OUT/pytest_localized.log" | head -20 | tee -a "$OUT/summary.txt"
   step memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/memcheck_smoke.py
   step compile_layer 90 python3 examples/compile_layer.py
   step bench_localized 240 python3 benchmarks/bench_localized.py --out "$OUT/h200_localized.json"
