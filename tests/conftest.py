@@ -181,7 +181,6 @@ def reference_and_gate(problem, tolerance: float, orders: int = 16) -> tuple:
     return exact, max(tolerance, 1.25 * worst)
 
 
-
 def kernel_fc2_input_per_token(problem) -> dict:
     """w4a4 per-token on the streaming tactic (8, 1, 1): the kernels' bf16 FC2 input h of the live permuted rows,
     their codes, block scales and row scales, next to the reference quantizer applied to that same h (`ref_*`).

@@ -28,4 +28,4 @@ def rcp_approx(x: torch.Tensor | float, device: torch.device | str | None = None
         return 1.0 / x
     if _jit_rcp is None:
         _jit_rcp = torch.cuda.jiterator._create_jit_fn(_RCP_APPROX_FTZ)
-    return _jit_rcp(x.float())
+    return _jit_rcp(x)

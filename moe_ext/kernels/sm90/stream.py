@@ -224,13 +224,15 @@ def multiply_step_wgmma(sm: Smem, tid, w0: list, w1: list, s0: list, s1: list, t
     and the accumulator layout do not change; the token tile is read through descriptors (wgmma_tile_offset)."""
     a0 = [ptx.e2m1x8_to_bf16x2(w0[j], s0[j]) for j in range(4)]
     a1 = [ptx.e2m1x8_to_bf16x2(w1[j], s1[j]) for j in range(4)]
-    # tile_offset = 2 x the step's K inside the chunk, and a step takes 256 * tokens bytes. The virtual steps' start
-    # addresses differ by constants that stay inside the descriptor's 14-bit address field (shared memory < 256 KB).
-    step = ptx.smem_descriptor_k_major(sm.tokens + tile_offset * tokens, 16 * tokens, 128)
+    # tile_offset = 2 x the step's K inside the chunk, and a step takes 256 * tokens bytes. The descriptor's K-half
+    # and 8-token strides, and each virtual step's start (constants that stay inside the 14-bit address field:
+    # shared memory < 256 KB), are read off wgmma_tile_offset at thread slot t = 0 (group j of the step).
+    step = ptx.smem_descriptor_k_major(sm.tokens + tile_offset * tokens, wgmma_tile_offset(tokens, 0, 0, 1),
+                                       wgmma_tile_offset(tokens, 8, 0, 0))
     ptx.wgmma_fence()
     for j in range(4):
         for h in range(2):
-            desc = step + Int64(((2 * j + h) * 32 * tokens) >> 4)
+            desc = step + Int64(wgmma_tile_offset(tokens, 0, j, 2 * h) >> 4)
             d = ptx.wgmma_bf16_rs([acc[i] for i in range(tokens // 2)],
                                   [a0[j][2 * h], a1[j][2 * h], a0[j][2 * h + 1], a1[j][2 * h + 1]], desc)
             for i in range(tokens // 2):
