@@ -6,6 +6,8 @@
 #   wgmma:     the w4a16 / localized / tactic tests (they add the wgmma tactics), memcheck, profile, benchmark
 #   quant_wgmma: the w4a4 / w4a8 reference checks (they add the wgmma tactic), memcheck, their wgmma benchmark
 #   grid:      the full issue-3 correctness grid (13,200 cases), shards $GRID_SHARD ("K/N ...", default 0/1), 500 s each
+#   prefill:   per-kernel profile of the default tactic at T=4096 on five shapes (the wgmma GEMMs)
+#   prefill_ncu: ncu sections of the wgmma GEMMs at $PREFILL_POINTS (default mixtral-8x7b:4096)
 #   tile_choice: per-kernel times of the default tactic vs (128, wgmma, wgmma) where experts get 16-64 rows; T=16384
 #   examples:  install, memcheck of every kernel, the examples, host overhead, fused vs deterministic finalize
 #   bench:     install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
@@ -92,6 +94,14 @@ elif [ "$PART" = grid ]; then  # GRID_SHARD: one or more K/N, space-separated; o
     grep FAILED "$OUT/$name.log" | head -20 >> "$OUT/summary.txt"
     rm -f "$OUT/$name.log"
   done
+elif [ "$PART" = prefill ]; then  # per-kernel times where the wgmma GEMMs run (the default tactic at T=4096)
+  step profile_prefill 200 python3 benchmarks/profile_kernels.py \
+    --points qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096,gpt-oss-120b:4096
+elif [ "$PART" = prefill_ncu ]; then  # what bounds the wgmma GEMMs: pipes, shared memory, stalls (one launch each)
+  step ncu_prefill 300 ncu --clock-control none --profile-from-start off -k regex:wgmma --section SpeedOfLight \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+    --section SchedulerStats --section WarpStateStats --section Occupancy \
+    python3 benchmarks/profile_kernels.py --points ${PREFILL_POINTS:-mixtral-8x7b:4096} --ncu
 elif [ "$PART" = tile_choice ]; then
   points=deepseek-v3:1024,gpt-oss-120b:1024,deepseek-v3-ep8:512,qwen3-30b-a3b:512,mixtral-8x7b:256
   step profile_default 80 python3 benchmarks/profile_kernels.py --points $points

@@ -30,6 +30,25 @@ def test_every_shipped_kernel_compiles_for_sm90a(tmp_path):
         assert f"cute_dsl_{name}_wrapper" in header
     assert (tmp_path / "libcuda_dialect_runtime_static.a").exists()
 
+    # --only recompiles one family inside the complete build and leaves the rest (and the table) as they were.
+    before = {name: (tmp_path / f"{name}.o").stat().st_mtime_ns for name in ("moe_finalize", "moe_routing")}
+    subprocess.run([sys.executable, "-m", "moe_ext.kernels.sm90.build", str(tmp_path), "--only", "moe_finalize"],
+                   check=True)
+    assert (tmp_path / "moe_finalize.o").stat().st_mtime_ns > before["moe_finalize"]
+    assert (tmp_path / "moe_routing.o").stat().st_mtime_ns == before["moe_routing"]
+    assert (tmp_path / "kernels.txt").read_text().split() == names
+    assert (tmp_path / "kernel_table.inc").read_text() == table
+
+
+def test_partial_rebuild_needs_a_complete_build_and_a_matching_name(tmp_path):
+    from moe_ext.kernels.sm90 import build
+
+    with pytest.raises(ValueError, match="build it whole first"):
+        build.build(str(tmp_path), only="wgmma")
+    (tmp_path / "kernels.txt").write_text("\n".join(name for name, _ in build.specialisations()) + "\n")
+    with pytest.raises(ValueError, match="matches no kernel"):
+        build.build(str(tmp_path), only="no_such_kernel")
+
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or os.environ.get("MOE_EXT_NO_LAUNCHER") == "1",
                     reason="no CUDA toolkit: the launcher is not built")

@@ -1,11 +1,13 @@
 """Ahead-of-time build of the sm_90a kernels: compile each shipped specialisation with CuTe-DSL (no GPU needed),
 export it with `export_to_c`, and copy the DSL's static runtime next to the objects for the launcher to link.
 
-    python -m moe_ext.kernels.sm90.build OUT_DIR
+    python -m moe_ext.kernels.sm90.build OUT_DIR [--only SUBSTRING]
 
 writes OUT_DIR/<name>.{h,o}, OUT_DIR/libcuda_dialect_runtime_static.a, OUT_DIR/kernels.txt (one name a line) and
 OUT_DIR/kernel_table.inc: for every kernel, C++ that fills the exported argument structs from a flat list of
-buffers and scalars, so the launcher dispatches any kernel by name without hand-written glue.
+buffers and scalars, so the launcher dispatches any kernel by name without hand-written glue. `--only` recompiles
+just the kernels whose name contains SUBSTRING inside a copy of a complete build (an A/B variant of one kernel
+family in a second directory, in a minute instead of the whole build's five).
 """
 from __future__ import annotations
 
@@ -66,17 +68,27 @@ def static_runtime() -> str:
     return path
 
 
-def build(out_dir: str) -> list[str]:
+def build(out_dir: str, only: str | None = None) -> list[str]:
+    specs = specialisations()
+    names = [name for name, _ in specs]
+    if only is not None:
+        listing = os.path.join(out_dir, "kernels.txt")
+        built = open(listing).read().split() if os.path.exists(listing) else []
+        if built != names:
+            raise ValueError(f"--only recompiles part of a complete build, but {out_dir} does not hold this tree's "
+                             f"{len(names)} kernels: build it whole first")
+        if not any(only in name for name in names):
+            raise ValueError(f"--only {only!r} matches no kernel")
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
     _load_dsl_runtime()
     os.makedirs(out_dir, exist_ok=True)
-    names = []
-    for name, compile_fn in specialisations():
+    for name, compile_fn in specs:
+        if only is not None and only not in name:
+            continue
         start = time.perf_counter()
         compiled = compile_fn(f"--gpu-arch {ARCH}")
         compiled.export_to_c(file_path=out_dir, file_name=name, function_prefix=name)
         print(f"moe_ext: compiled {name} for {ARCH} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-        names.append(name)
     shutil.copy(static_runtime(), out_dir)
     with open(os.path.join(out_dir, "kernels.txt"), "w") as f:
         f.write("\n".join(names) + "\n")
@@ -155,7 +167,10 @@ def kernel_table(out_dir: str, names: list[str]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
-    build(parser.parse_args().out_dir)
+    parser.add_argument("--only", metavar="SUBSTRING", default=None,
+                        help="recompile only the kernels whose name contains this, in a complete build's directory")
+    args = parser.parse_args()
+    build(args.out_dir, args.only)
 
 
 if __name__ == "__main__":
