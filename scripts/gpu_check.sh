@@ -6,6 +6,8 @@
 #   wgmma:     the w4a16 / localized / tactic tests (they add the wgmma tactics), memcheck, profile, benchmark
 #   quant_wgmma: the w4a4 / w4a8 reference checks (they add the wgmma tactic), memcheck, their wgmma benchmark
 #   grid:      the full issue-3 correctness grid (13,200 cases), shards $GRID_SHARD ("K/N ...", default 0/1), 500 s each
+#   ab_wgmma:  install and profile (as prefill) each kernel directory of $AB_DIRS, then reinstall $MOE_EXT_KERNEL_DIR
+#   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels)
 #   prefill:   per-kernel profile of the default tactic at T=4096 on five shapes (the wgmma GEMMs)
 #   prefill_ncu: ncu sections of the wgmma GEMMs at $PREFILL_POINTS (default mixtral-8x7b:4096)
 #   tile_choice: per-kernel times of the default tactic vs (128, wgmma, wgmma) where experts get 16-64 rows; T=16384
@@ -97,6 +99,20 @@ elif [ "$PART" = grid ]; then  # GRID_SHARD: one or more K/N, space-separated; o
 elif [ "$PART" = prefill ]; then  # per-kernel times where the wgmma GEMMs run (the default tactic at T=4096)
   step profile_prefill 200 python3 benchmarks/profile_kernels.py \
     --points qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096,gpt-oss-120b:4096
+elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, wgmma variants); install + profile each
+  for d in ${AB_DIRS:-.kernels .kernels_deep .kernels_split .kernels_dec2}; do
+    MOE_EXT_KERNEL_DIR=$PWD/$d MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$OUT/install_${d#.}.log" 2>&1
+    echo "install $d rc=$?" | tee -a "$OUT/summary.txt"
+    step "prefill_${d#.}" 200 python3 benchmarks/profile_kernels.py \
+      --points qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096,gpt-oss-120b:4096
+  done
+  MOE_EXT_KERNEL_DIR=$MOE_EXT_KERNEL_DIR MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
+elif [ "$PART" = sweep ]; then  # issue 4's sweep, w4a16 fused, all three implementations (carry .offline/triton_kernels_v3.6)
+  step sweep 560 env PYTHONPATH="$PWD:$PWD/.offline/triton_kernels_v3.6" python3 -m moe_ext.bench \
+    --shapes qwen3-30b-a3b,deepseek-v3-ep8,gpt-oss-120b,mixtral-8x7b,deepseek-v3 \
+    --tokens 1,8,64,256,1024,4096,16384 --modes w4a16 --finalize fused \
+    --impls moe_ext,torch_grouped_mm_bf16,triton_kernels_mxfp4 --iters 20 --max-seconds-per-point 1.0 \
+    --out "$OUT/h200.json"
 elif [ "$PART" = prefill_ncu ]; then  # what bounds the wgmma GEMMs: pipes, shared memory, stalls (one launch each)
   step ncu_prefill 300 ncu --clock-control none --profile-from-start off -k regex:wgmma --section SpeedOfLight \
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
