@@ -57,6 +57,7 @@ VARIANTS = {
     "chunk2048_stages6": {"token_elems": 16384, "stages": 6},
     # One warpgroup wgmma per k16 for all the tokens, decoded weights as the register A operand (StreamConfig.mma).
     "wgmma_rs": {"mma": "wgmma"},
+    "wgmma_async": {"mma": "wgmma_async"},  # ... with each step's wgmmas in flight under the next step
 }
 
 

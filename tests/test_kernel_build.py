@@ -119,15 +119,16 @@ def test_streaming_mainloop_with_two_stages_per_wait_compiles(gemm):
         assert gemm2.compile_launch(gemm2.make_kernel("w4a8", 8, cfg), "--gpu-arch sm_90a") is not None
 
 
-@pytest.mark.parametrize("gemm,tokens", [(1, 8), (2, 8), (1, 64), (2, 32)])
-def test_streaming_mainloop_on_register_a_wgmma_compiles(gemm, tokens):
-    """mma="wgmma" (a benchmarks/stream_variants.py variant, not shipped) keeps compiling for sm_90a, on one- and
-    two-slice configurations and several token tiles (the wgmma N)."""
+@pytest.mark.parametrize("gemm,tokens,mma", [(1, 8, "wgmma"), (2, 8, "wgmma"), (1, 64, "wgmma"), (2, 32, "wgmma"),
+                                            (1, 8, "wgmma_async"), (2, 64, "wgmma_async")])
+def test_streaming_mainloop_on_register_a_wgmma_compiles(gemm, tokens, mma):
+    """The register-A wgmma mainloops (benchmarks/stream_variants.py variants, not shipped) keep compiling for
+    sm_90a, on one- and two-slice configurations and several token tiles (the wgmma N)."""
     import dataclasses
 
     from moe_ext.kernels.sm90 import gemm1, gemm2, stream
 
-    cfg = dataclasses.replace(stream.config_for(tokens, gemm), mma="wgmma")
+    cfg = dataclasses.replace(stream.config_for(tokens, gemm), mma=mma)
     if gemm == 1:
         assert gemm1.compile_launch(gemm1.make_kernel("w4a4", "swiglu", tokens, cfg), "--gpu-arch sm_90a") is not None
     else:

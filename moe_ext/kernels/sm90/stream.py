@@ -56,7 +56,9 @@ class StreamConfig:
     # "sync": each warp's mma.sync m16n8k16 per 8 tokens, B fragments loaded from the padded token tile. "wgmma":
     # one warpgroup wgmma per k16 for all the tokens, the decoded weights as its register A operand and the token
     # tile in the canonical K-major layout (a benchmarks/stream_variants.py variant, not shipped: waiting for its
-    # wgmmas at every step, it measured 1.17-1.23x slower than "sync"; the verified base for an asynchronous form).
+    # wgmmas at every step, it measured 1.17-1.23x slower than "sync"). "wgmma_async": the same, with each step's
+    # wgmmas left in flight under the next step (not run yet: whether ptxas keeps their A registers intact while
+    # the next step decodes is what its rel_l2_to_default will show).
     mma: str = "sync"
 
     @property
@@ -190,7 +192,7 @@ def consume_tma_step(sm: Smem, tid, slot, scales, tile_offset, acc: cute.Tensor,
     def group(row):
         return ptx.ld_shared_b32(tiles + (row % 32) * 16 + (row // 32) * 4)
 
-    multiply = multiply_step_wgmma if c.mma == "wgmma" else multiply_step
+    multiply = multiply_step if c.mma == "sync" else multiply_step_wgmma
     multiply(sm, tid, ptx.ld_shared_v4(rows + r * 64), ptx.ld_shared_v4(rows + (r + 8) * 64),
              _scale_pairs(sm, group(r), tid, block), _scale_pairs(sm, group(r + 8), tid, block), tile_offset, acc,
              tokens, c)
@@ -239,7 +241,9 @@ def multiply_step_wgmma(sm: Smem, tid, w0: list, w1: list, s0: list, s1: list, t
             for i in range(tokens // 2):
                 acc[i] = d[i]
     ptx.wgmma_commit()
-    ptx.wgmma_wait(0)
+    # "wgmma_async": the step's wgmmas stay in flight under the next step's loads and decode; this wait only
+    # retires the previous step's (its A registers are then free again).
+    ptx.wgmma_wait(1 if c.mma == "wgmma_async" else 0)
 
 
 def wgmma_tile_offset(tokens: int, row, group, word) -> Int32:
@@ -322,7 +326,7 @@ def token_group(a_format: str, values_bf16: cute.Tensor, values_q: cute.Tensor, 
 def store_chunk(sm: Smem, row, chunk, values: list, valid, tokens: int, c: StreamConfig) -> None:
     zero = Int32(0)
     v = [Int32(cutlass.select_(valid, x, zero)) for x in values]
-    if c.mma == "wgmma":
+    if c.mma != "sync":
         for w in range(4):
             ptx.st_shared_b32(sm.tokens + wgmma_tile_offset(tokens, row, chunk, w), v[w])
     else:
@@ -388,6 +392,8 @@ def accumulate(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exper
     part = tid // (cfg.threads // cfg.k_slices)
     tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
                  part, acc, tokens, cfg, block, load_group)
+    if cutlass.const_expr(cfg.mma == "wgmma_async"):
+        ptx.wgmma_wait(0)
     cute.arch.sync_threads()
     for sl in cutlass.range_constexpr(cfg.k_slices):
         if part == sl:
@@ -409,6 +415,8 @@ def stage_tokens(sm, tid, first, k_run, k_end, tokens: cutlass.Constexpr, cfg: c
     """Stage the K-chunk at k_run (inside the run starting at step `first`) of the token rows, decoded to bf16,
     in the tile order, between two CTA barriers."""
     chunk = k_chunk(tokens, cfg)
+    if cutlass.const_expr(cfg.mma == "wgmma_async"):
+        ptx.wgmma_wait(0)  # the last steps' wgmmas still read the tile this staging overwrites
     cute.arch.sync_threads()
     for m in cutlass.range_constexpr(chunk_tasks(tokens, cfg)):
         task = tid + m * cfg.threads
@@ -416,7 +424,7 @@ def stage_tokens(sm, tid, first, k_run, k_end, tokens: cutlass.Constexpr, cfg: c
         c = task % (chunk // 8)
         values, valid = load_group(r, first * cfg.k_step + k_run + c * 8, k_end)
         store_chunk(sm, r, c, values, valid, tokens, cfg)
-    if cutlass.const_expr(cfg.mma == "wgmma"):
+    if cutlass.const_expr(cfg.mma != "sync"):
         ptx.fence_proxy_async_shared()  # the tile is read by wgmma (async proxy)
     cute.arch.sync_threads()
 
