@@ -58,6 +58,7 @@ VARIANTS = {
     # One warpgroup wgmma per k16 for all the tokens, decoded weights as the register A operand (StreamConfig.mma).
     "wgmma_rs": {"mma": "wgmma"},
     "wgmma_async": {"mma": "wgmma_async"},  # ... with each step's wgmmas in flight under the next step
+    "wgmma_async_one_cta": {"mma": "wgmma_async", "ctas_per_sm": 1},  # ... with registers for two steps' fragments
 }
 
 
