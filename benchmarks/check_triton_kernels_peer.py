@@ -19,8 +19,8 @@ import torch
 
 from moe_ext import bench
 from moe_ext.bench_peers import TritonKernelsMxfp4, triton_kernels_unavailable
-from moe_ext.quant.block import MX_BLOCK
-from moe_ext.quant.formats import FLT_MAX, e2m1_decode, ue8m0_decode, unpack_e2m1
+from moe_ext.quant.block import mxfp4_dequantize
+from moe_ext.quant.formats import FLT_MAX
 
 REL_TOL = 1e-2  # bf16 output + bf16 SwiGLU output; fp32 accumulation on both sides
 
@@ -36,9 +36,9 @@ CASES = [
 
 
 def dequant(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """[E, K/2, N] e2m1 pairs (even K in the low nibble) and [E, K/32, N] ue8m0 -> [E, K, N] fp32."""
-    values = e2m1_decode(unpack_e2m1(packed.transpose(1, 2)).transpose(1, 2))
-    return values * ue8m0_decode(scale).repeat_interleave(MX_BLOCK, dim=1)
+    """[E, K/2, N] e2m1 pairs (even K in the low nibble) and [E, K/32, N] ue8m0 -> [E, K, N] fp32: moe_ext's MXFP4
+    decode along K."""
+    return mxfp4_dequantize(packed.transpose(1, 2), scale.transpose(1, 2)).transpose(1, 2)
 
 
 def reference(x, logits, w1, w2, top_k, act) -> torch.Tensor:
@@ -85,10 +85,10 @@ def run_case(name, hidden, inter, experts, top_k, tokens, activation, hint, devi
     replay_diff = (captured.float() - out.float()).abs().max().item()
 
     ok = out.shape == (tokens, hidden) and out.dtype == torch.bfloat16 and rel < REL_TOL and replay_diff == 0.0
-    layouts = (f"{type(moe.w1.storage.layout).__name__}/{type(moe.pc1.weight_scale.storage.layout).__name__}"
-               f"(num_warps={moe.pc1.weight_scale.storage.layout.num_warps})"
-               if hasattr(moe.pc1.weight_scale.storage.layout, "num_warps") else
-               f"{type(moe.w1.storage.layout).__name__}/{type(moe.pc1.weight_scale.storage.layout).__name__}")
+    scale_layout = moe.pc1.weight_scale.storage.layout
+    layouts = f"{type(moe.w1.storage.layout).__name__}/{type(scale_layout).__name__}"
+    if hasattr(scale_layout, "num_warps"):
+        layouts += f"(num_warps={scale_layout.num_warps})"
     print(f"{'OK  ' if ok else 'FAIL'} {name:45s} H={hidden} I={inter} E={experts} k={top_k} T={tokens} "
           f"{activation:10s} rel_l2={rel:.3e} graph_replay_maxdiff={replay_diff:.3e} layouts={layouts}", flush=True)
     return ok
