@@ -6,7 +6,8 @@
 #   wgmma:     the w4a16 / localized / tactic tests (they add the wgmma tactics), memcheck, profile, benchmark
 #   quant_wgmma: the w4a4 / w4a8 reference checks (they add the wgmma tactic), memcheck, their wgmma benchmark
 #   grid:      the full issue-3 correctness grid (13,200 cases), shards $GRID_SHARD ("K/N ...", default 0/1), 500 s each
-#   ab_wgmma:  install and profile (as prefill) each kernel directory of $AB_DIRS, then reinstall $MOE_EXT_KERNEL_DIR
+#   ab_wgmma:  install, profile (as prefill) and check (wgmma-heavy kernel tests) each directory of $AB_DIRS,
+#              then reinstall $MOE_EXT_KERNEL_DIR
 #   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels)
 #   prefill:   per-kernel profile of the default tactic at T=4096 on five shapes (the wgmma GEMMs)
 #   prefill_ncu: ncu sections of the wgmma GEMMs at $PREFILL_POINTS (default mixtral-8x7b:4096)
@@ -105,6 +106,7 @@ elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, 
     echo "install $d rc=$?" | tee -a "$OUT/summary.txt"
     step "prefill_${d#.}" 200 python3 benchmarks/profile_kernels.py \
       --points qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096,gpt-oss-120b:4096
+    [ "$PWD/$d" = "$MOE_EXT_KERNEL_DIR" ] || tests_step "check_${d#.}" 150 tests/test_hopper_kernels.py -k "large_token_count or (shapes_and and 7168 and w4a16)"
   done
   MOE_EXT_KERNEL_DIR=$MOE_EXT_KERNEL_DIR MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
 elif [ "$PART" = sweep ]; then  # issue 4's sweep, w4a16 fused, all three implementations (carry .offline/triton_kernels_v3.6)
