@@ -17,7 +17,7 @@
 #   decode:    T <= 64 breakdown: graph replays (both finalize modes), per-kernel profile, ncu of each kernel alone
 #   select:    the tests PYTEST_K selects; variants: stream_variants.py once per line of VARIANT_ARGS (carry .offline)
 #   localized: install, the localized / fused-finalize / graph tests, memcheck, the localized benchmark
-# Logs and a summary go to $OUT. Prepare here, then run there (the device tool, carry .kernels):
+# A summary and logs.tgz go to $OUT. Prepare here, then run there (the device tool, carry .kernels):
 #   python3 -m moe_ext.kernels.sm90.build .kernels          # here, with CuTe-DSL
 #   OUT=$OUT bash scripts/gpu_check.sh tests                # there
 #   OUT=$OUT bash scripts/gpu_check.sh bench
@@ -26,23 +26,29 @@ cd "$(dirname "$0")/.."
 PARTS=${*:-tests}
 OUT=${OUT:-/tmp/moe_ext_gpu}
 mkdir -p "$OUT"
+# The device returns only a few files: logs go to $LOG and travel packed in $OUT/logs.tgz (repacked after each
+# step, so a run cut short still brings back what it finished); $OUT holds that, summary.txt and the JSON records.
+LOG=$(mktemp -d)
+pack() { cp "$OUT/summary.txt" "$LOG/" 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$LOG" .; }
+trap pack EXIT
 export PYTHONUNBUFFERED=1
 export MOE_EXT_KERNEL_DIR=${MOE_EXT_KERNEL_DIR:-$PWD/.kernels}
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-} > "$OUT/env.txt" 2>&1
-MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$OUT/install.log" 2>&1
+} > "$LOG/env.txt" 2>&1
+MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install.log" 2>&1
 echo "install rc=$?" | tee "$OUT/summary.txt"
-step() {  # step NAME TIMEOUT COMMAND...: run, log to $OUT/NAME.log, note rc and the last line
+step() {  # step NAME TIMEOUT COMMAND...: run, log to $LOG/NAME.log, note rc and the last line
   local name=$1 limit=$2; shift 2
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? :: $(tail -n 1 "$OUT/$name.log")" | tee -a "$OUT/summary.txt"
+  timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
+  echo "$name rc=$? :: $(tail -n 1 "$LOG/$name.log")" | tee -a "$OUT/summary.txt"
+  pack
 }
 tests_step() {  # tests_step NAME TIMEOUT PYTEST-ARGS...: a pytest step, its failures copied into the summary
   local name=$1 limit=$2; shift 2
   step "$name" "$limit" python3 -m pytest -q -p no:cacheprovider "$@"
-  grep -E "^(FAILED|ERROR)" "$OUT/$name.log" | head -20 | tee -a "$OUT/summary.txt"
+  grep -E "^(FAILED|ERROR)" "$LOG/$name.log" | head -20 | tee -a "$OUT/summary.txt"
 }
 for PART in $PARTS; do
 echo "== $PART" >> "$OUT/summary.txt"
@@ -94,19 +100,19 @@ elif [ "$PART" = grid ]; then  # GRID_SHARD: one or more K/N, space-separated; o
   for shard in ${GRID_SHARD:-0/1}; do
     name=grid_${shard%/*}of${shard#*/}
     step "$name" 540 python3 scripts/correctness_grid.py --shard "$shard" --max-seconds 500 --out "$OUT/$name.json"
-    grep FAILED "$OUT/$name.log" | head -20 >> "$OUT/summary.txt"
-    rm -f "$OUT/$name.log"
+    grep FAILED "$LOG/$name.log" | head -20 >> "$OUT/summary.txt"
+    rm -f "$LOG/$name.log"
   done
 elif [ "$PART" = prefill ]; then  # per-kernel times where the wgmma GEMMs run (the default tactic at T=4096)
   step profile_prefill 200 python3 benchmarks/profile_kernels.py \
     --points qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096,gpt-oss-120b:4096
 elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, wgmma variants); install + profile each
   for d in ${AB_DIRS:-.kernels .kernels_deep .kernels_split .kernels_dec2}; do
-    MOE_EXT_KERNEL_DIR=$PWD/$d MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$OUT/install_${d#.}.log" 2>&1
+    MOE_EXT_KERNEL_DIR=$PWD/$d MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_${d#.}.log" 2>&1
     echo "install $d rc=$?" | tee -a "$OUT/summary.txt"
     step "prefill_${d#.}" 200 python3 benchmarks/profile_kernels.py \
       --points qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096,gpt-oss-120b:4096
-    [ "$PWD/$d" = "$MOE_EXT_KERNEL_DIR" ] || tests_step "check_${d#.}" 150 tests/test_hopper_kernels.py -k "large_token_count or (shapes_and and 7168 and w4a16)"
+    [ "$PWD/$d" = "$MOE_EXT_KERNEL_DIR" ] || [ "${AB_CHECK:-1}" = 0 ] || tests_step "check_${d#.}" 150 tests/test_hopper_kernels.py -k "large_token_count or (shapes_and and 7168 and w4a16)"
   done
   MOE_EXT_KERNEL_DIR=$MOE_EXT_KERNEL_DIR MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
 elif [ "$PART" = sweep ]; then  # issue 4's sweep, w4a16 fused, all three implementations (carry .offline/triton_kernels_v3.6)
