@@ -130,7 +130,7 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     assert launcher.default_tactic(128, 1, 8, 8, 2048, 1024, tiles, 132, True, mixed=False) == (128, 1, 2)
 
 
-def test_tuning_times_candidates_on_an_even_routing_not_on_the_callers(tuner):
+def test_tuning_times_candidates_on_a_stand_in_routing_not_on_the_callers(tuner):
     """A bucket's tactic must not hang on its first call's routing: with expert parallelism a T=1 call often sends
     no slot to this rank, and every tactic then ties at doing nothing. The candidates run on an evenly spread
     routing of the same shape (this rank gets its mean share); the caller's own run then uses the caller's."""
@@ -165,6 +165,16 @@ def test_tuning_times_candidates_on_an_even_routing_not_on_the_callers(tuner):
     one = build_problem(**make_case("w4a16", num_tokens=1, top_k=8, num_experts=256, ep=8, rank=5).kwargs())
     ids = backends.profiling_problem(one).token_selected_experts
     assert [int(((ids >= 32 * r) & (ids < 32 * r + 32)).sum()) for r in range(8)] == [1] * 8
+    # T*K > E: random loads (mean 8 rows here, binomial spread), not 8 rows each, which would make 8-token tiles
+    # look ideal; the same routing every time, and each rank still gets its share.
+    many = build_problem(**make_case("w4a16", num_tokens=256, top_k=8, num_experts=256, ep=8, rank=2).kwargs())
+    ids = backends.profiling_problem(many).token_selected_experts
+    assert torch.equal(ids, backends.profiling_problem(many).token_selected_experts)
+    assert all(len(set(row.tolist())) == 8 for row in ids)
+    loads = torch.bincount(ids.flatten().long(), minlength=256).float()
+    assert loads.mean() == 8 and 4 <= loads.var() <= 16  # Binomial(256, 1/32): variance 7.75
+    assert 0.3 <= float((loads > 8).float().mean()) <= 0.5  # the experts an 8-token tile streams twice
+    assert (loads.reshape(8, 32).sum(1) == 256).all()  # one slot of each token on each rank: its exact share
     # Cached now: later calls do not profile again.
     seen.clear()
     with autotune(True):

@@ -63,19 +63,22 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
             expert = tile_to_expert[tile]
             limit = tile_to_mn_limit[tile]
             row0 = tile * cfg.bm
-            sA, sB, s_c, raw_codes, raw_scales, pipe = mainloop.allocate(cfg, sA_layout, sB_layout)
-            if wg == 0:
-                cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            sA, sB, s_c, raw_codes, raw_scales, copied, pipe = mainloop.allocate(cfg, sA_layout, sB_layout)
+            if wg == mainloop.COPIER:
+                cute.arch.setmaxregister_decrease(cfg.copier_regs)
 
                 def token_row_offset(m):
                     token = permuted_to_expanded[cute.math.min(row0 + m, limit - 1)] // top_k
                     return Int64(token) * Int64(hidden) * Int64(2)
 
-                mainloop.produce(cfg, pipe, sA, sB, raw_codes, raw_scales, tidx, x_bf16.iterator.toint(),
-                                 token_row_offset, w1, w1_sf, expert, n_tile * cfg.bn, n1, hidden)
+                mainloop.copy_stages(cfg, pipe, copied, sA, raw_codes, raw_scales, tidx, x_bf16.iterator.toint(),
+                                     token_row_offset, w1, w1_sf, expert, n_tile * cfg.bn, n1, hidden)
+            elif wg == mainloop.DECODER:
+                cute.arch.setmaxregister_decrease(cfg.decoder_regs)
+                mainloop.decode_stages(cfg, pipe, copied, sB, raw_codes, raw_scales, tidx - mainloop.WARPGROUP, hidden)
             else:
                 cute.arch.setmaxregister_increase(cfg.consumer_regs)
-                ctid = tidx - mainloop.PRODUCERS
+                ctid = tidx - mainloop.FIRST_CONSUMER * mainloop.WARPGROUP
                 mainloop.consume(cfg, pipe, sA, sB, s_c, tiled_mma, wg, ctid, hidden)
                 r, half = mainloop.epilogue_thread(ctid)
                 row = row0 + r

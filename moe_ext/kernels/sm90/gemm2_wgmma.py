@@ -50,18 +50,21 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
             expert = tile_to_expert[tile]
             limit = tile_to_mn_limit[tile]
             row0 = tile * cfg.bm
-            sA, sB, s_c, raw_codes, raw_scales, pipe = mainloop.allocate(cfg, sA_layout, sB_layout)
-            if wg == 0:
-                cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            sA, sB, s_c, raw_codes, raw_scales, copied, pipe = mainloop.allocate(cfg, sA_layout, sB_layout)
+            if wg == mainloop.COPIER:
+                cute.arch.setmaxregister_decrease(cfg.copier_regs)
 
                 def permuted_row_offset(m):
                     return Int64(cute.math.min(row0 + m, limit - 1)) * Int64(inter) * Int64(2)
 
-                mainloop.produce(cfg, pipe, sA, sB, raw_codes, raw_scales, tidx, a_bf16.iterator.toint(),
-                                 permuted_row_offset, w2, w2_sf, expert, n_tile * cfg.bn, hidden, inter)
+                mainloop.copy_stages(cfg, pipe, copied, sA, raw_codes, raw_scales, tidx, a_bf16.iterator.toint(),
+                                     permuted_row_offset, w2, w2_sf, expert, n_tile * cfg.bn, hidden, inter)
+            elif wg == mainloop.DECODER:
+                cute.arch.setmaxregister_decrease(cfg.decoder_regs)
+                mainloop.decode_stages(cfg, pipe, copied, sB, raw_codes, raw_scales, tidx - mainloop.WARPGROUP, inter)
             else:
                 cute.arch.setmaxregister_increase(cfg.consumer_regs)
-                ctid = tidx - mainloop.PRODUCERS
+                ctid = tidx - mainloop.FIRST_CONSUMER * mainloop.WARPGROUP
                 mainloop.consume(cfg, pipe, sA, sB, s_c, tiled_mma, wg, ctid, inter)
                 r, half = mainloop.epilogue_thread(ctid)
                 row = row0 + r

@@ -2,21 +2,26 @@
 per K stage into shared memory, bf16 wgmma with fp32 accumulators.
 
 CTA tile: 128 routed rows (A, the wgmma M side: one routing tile of one local expert) x 128 weight rows (B, the N
-side) x all of K in stages of 64 (one 128-byte swizzle row of bf16), `stages` deep. 384 threads:
+side) x all of K in stages of 64 (one 128-byte swizzle row of bf16), `stages` deep. 512 threads, four roles:
 
-  warpgroup 0 (producer, setmaxnreg down)
+  warpgroup 0, copier (setmaxnreg down)
     A: 16-byte cp.async of the rows `a_row_offset(m)` names (the kernel's gather) into the swizzled sA stage.
-    B: cp.async of each thread's weight row (32 code bytes + the 4-byte scale group of the 128x4 layout) into a
-       private raw ring `lag` stages ahead; then decode (e2m1 -> bf16, times the bf16 block scale: exact, <= 6
-       significant bits) and st.shared 16-byte chunks into the swizzled sB stage.
-    Then cp.async.wait_group -> fence.proxy.async (the wgmma reads through the async proxy) -> mbarrier arrive.
-  warpgroups 1-2 (consumers, setmaxnreg up)
+    B: cp.async of its weight row's 32 code bytes and the 4-byte scale group of the 128x4 layout into the raw
+       slot of the same stage. Then cp.async.mbarrier.arrive.noinc on the stage's `copied` barrier: the arrival
+       lands when the copies have, so the copier never waits for its own copies and runs up to `stages` ahead.
+  warpgroup 1, decoder (setmaxnreg down)
+    waits for `copied`, decodes its row of the raw slot (e2m1 -> bf16, times the bf16 block scale: exact, <= 6
+    significant bits), st.shared 16-byte chunks into the swizzled sB stage, fence.proxy.async (the wgmma reads
+    through the async proxy), mbarrier arrive on the stage's `full` barrier. It issues no copies, so its proxy
+    fence has no copies in flight to wait for.
+  warpgroups 2-3, consumers (setmaxnreg up)
     wgmma m64n128k16 SS, 64 rows each; acc -> fp32 tile s_c[row][weight col] in shared memory for the epilogue.
 
-The producer never holds data in registers across iterations: iteration j fills stage j (A and raw B as cp.async
-group j), waits for group j - lag, decodes B(j - lag) and publishes stage j - lag, so lag + 1 stages of copies are
-in flight while one decodes. stages >= lag + 2 (the consumers hold up to two stages: wgmma wait_group(1)).
-Measured on the H200 (benchmarks/results/h200_session4_checks.md): 1.57-1.73x the streaming GEMMs at T = 4096.
+The A copies need no proxy fence: CUTLASS's cp.async wgmma mainloops signal them with the same mbarrier arrival.
+Against the earlier single producer warpgroup (copies two stages ahead, then wait_group, decode and a proxy fence
+issued behind its next copies; 4 stages and an s_c of its own), this split ran GEMM1 1.06-1.18x and GEMM2
+1.01-1.08x faster at T = 4096 on five shapes; the 6-stage ring alone changed nothing
+(benchmarks/results/h200_session10_checks.md).
 """
 # (no `from __future__ import annotations`: cute.struct reads its annotations as live objects)
 from dataclasses import dataclass
@@ -32,7 +37,8 @@ from cutlass.tensor_utils import LayoutEnum
 from . import ptx
 from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
 
-PRODUCERS = 128  # threads of the producer warpgroup
+WARPGROUP = 128
+COPIER, DECODER, FIRST_CONSUMER = 0, 1, 2  # warpgroups
 CONSUMERS = 256
 
 
@@ -41,18 +47,19 @@ class WgmmaConfig:
     bm: int = 128  # routed rows per CTA (= the routing tile)
     bn: int = 128  # weight rows per CTA
     bk: int = 64  # K per stage: 128 bytes of bf16 = one 128B-swizzle row
-    stages: int = 4  # sA + sB ring depth (32 KB a stage)
-    lag: int = 2  # producer: stages of copies in flight ahead of the one being decoded
+    stages: int = 6  # sA + sB + raw ring depth (36.5 KB a stage); s_c reuses sA after the mainloop
     # fp32 padding of an s_c row (pitch 132 = 4 mod 32): the epilogue's 16-byte row reads by 8 consecutive rows
     # cover all 32 banks; the accumulator's 8-byte stores pay a 2-way conflict once per tile.
     pad: int = 4
-    producer_regs: int = 56  # setmaxnreg: 128 * 56 + 256 * 224 = 64512 <= 65536
-    consumer_regs: int = 224
+    # setmaxnreg: 128 * (copier_regs + decoder_regs) + 256 * consumer_regs <= 65536
+    copier_regs: int = 40
+    decoder_regs: int = 56
+    consumer_regs: int = 208
     sf_block: int = 16  # weight scale block: 16 (NVFP4, e4m3 scales) or 32 (MXFP4, ue8m0 scales)
 
     @property
     def threads(self) -> int:
-        return PRODUCERS + CONSUMERS
+        return FIRST_CONSUMER * WARPGROUP + CONSUMERS
 
     @property
     def pitch(self) -> int:
@@ -61,8 +68,11 @@ class WgmmaConfig:
     def check(self) -> None:
         assert self.bm == 128 and self.bn == 128, "the thread mappings assume a 128 x 128 tile"
         assert self.bk == 64, "one stage must be one 4-block group of the 128x4 scale layout"
-        assert self.stages >= self.lag + 2, "producer lag + the consumers' two held stages must fit the ring"
+        assert self.stages >= 3, "the consumers hold up to two stages (wgmma wait_group(1))"
+        assert self.stages * self.bm * self.bk * 2 >= self.bm * self.pitch * 4, "s_c must fit in the sA ring"
         assert self.sf_block in (16, 32), "NVFP4 (16) or MXFP4 (32) weights"
+        regs = WARPGROUP * (self.copier_regs + self.decoder_regs) + CONSUMERS * self.consumer_regs
+        assert regs <= 65536, "register file"
 
 
 DEFAULT = WgmmaConfig()
@@ -82,58 +92,62 @@ def smem_layouts(cfg: WgmmaConfig):
 
 
 def make_storage(cfg: WgmmaConfig, sA_layout, sB_layout):
-    raw_ring = cfg.lag + 1
-
     @cute.struct
     class Storage:
+        copied_mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]  # copied[stages] (+ unused empties)
         mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]  # full[stages], empty[stages]
-        # Producer-private raw weight ring: [slot][half][thread] 16 B (conflict-free 16-byte loads) and
-        # [slot][thread] 4 scale bytes.
-        raw_codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, raw_ring * 2 * PRODUCERS * 16], 16]
-        raw_scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, raw_ring * PRODUCERS * 4], 16]
+        # Raw weight slot of each stage: [stage][piece][row] 16 B (conflict-free 16-byte accesses by consecutive
+        # rows) and [stage][row] 4 scale bytes.
+        raw_codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * 2 * WARPGROUP * 16], 16]
+        raw_scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * WARPGROUP * 4], 16]
         sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sA_layout)], 1024]
         sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sB_layout)], 1024]
-        sC: cute.struct.Align[cute.struct.MemRange[Float32, cfg.bm * cfg.pitch], 16]
 
     return Storage
 
 
 def allocate(cfg: WgmmaConfig, sA_layout, sB_layout):
-    """(sA, sB, s_c, raw code ring address, raw scale ring address, pipeline): the CTA's shared memory and its
-    stage pipeline; all 384 threads call it. Kernels keep the pieces as separate locals (a runtime branch turns
-    the Python ints inside a carried tuple into runtime values). Full barriers count the 128 producer threads
-    (each after its own wait_group + proxy fence), empty ones the 256 consumer threads.
+    """(sA, sB, s_c, raw code ring address, raw scale ring address, copied, pipeline): the CTA's shared memory and
+    its two pipelines; all threads call it. Kernels keep the pieces as separate locals (a runtime branch turns
+    the Python ints inside a carried tuple into runtime values). `copied` counts the copier's 128 cp.async
+    arrivals per stage (its empty side is unused: the copier waits for the consumers' release of the stage);
+    `pipeline`'s full barriers count the 128 decoder threads, its empty ones the 256 consumer threads.
     sA (bm, bk, stages) and sB (bn, bk, stages) carry their swizzle in the pointer; s_c is fp32 (bm, bn) with row
-    pitch cfg.pitch, the accumulator tile for the epilogue."""
+    pitch cfg.pitch, the accumulator tile for the epilogue, over sA's memory: the ring is idle once both consumers
+    are past their last wgmma (consume's barrier), and the ring's depth is worth more than a tile of its own."""
     st = cutlass.memory.SmemAllocator().allocate(make_storage(cfg, sA_layout, sB_layout))
+    warpgroup = pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPGROUP)
+    copied = pipeline.PipelineCpAsync.create(barrier_storage=st.copied_mbar.data_ptr(), num_stages=cfg.stages,
+                                             producer_group=warpgroup, consumer_group=warpgroup, defer_sync=True)
     pipe = pipeline.PipelineAsync.create(
-        barrier_storage=st.mbar.data_ptr(), num_stages=cfg.stages,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, PRODUCERS),
+        barrier_storage=st.mbar.data_ptr(), num_stages=cfg.stages, producer_group=warpgroup,
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMERS))
     return (st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner),
             st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner),
-            st.sC.get_tensor(cute.make_layout((cfg.bm, cfg.bn), stride=(cfg.pitch, 1))),
-            st.raw_codes.data_ptr().toint(), st.raw_scales.data_ptr().toint(), pipe)
+            cute.make_tensor(cute.recast_ptr(st.sA.data_ptr(), dtype=Float32),
+                             cute.make_layout((cfg.bm, cfg.bn), stride=(cfg.pitch, 1))),
+            st.raw_codes.data_ptr().toint(), st.raw_scales.data_ptr().toint(), copied, pipe)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Producer (warpgroup 0)
+# Copier (warpgroup 0) and decoder (warpgroup 1); thread t of each handles weight row t
 # ----------------------------------------------------------------------------------------------------------------
-def a_copy_partition(cfg: WgmmaConfig, sA, ptid):
-    """Thread p copies 16-byte chunk p % 8 of rows p // 8 + 16 i (i < 8) of each A stage. Returns the cp.async
+def a_copy_partition(cfg: WgmmaConfig, sA, tid):
+    """Thread t copies 16-byte chunk t % 8 of rows t // 8 + 16 i (i < 8) of each A stage. Returns the cp.async
     atom, the sA partition ((8,1), 8, 1, stages) and the (m, k) coordinate of each chunk."""
     cp_atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                   BFloat16, num_bits_per_copy=128)
-    g2s = cute.make_tiled_copy_tv(cp_atom, cute.make_layout((16, 8), stride=(8, 1)),
-                                  cute.make_layout((1, 8))).get_slice(ptid)
+    g2s = cute.make_tiled_copy_tv(cp_atom, cute.make_layout((WARPGROUP // 8, 8), stride=(8, 1)),
+                                  cute.make_layout((1, 8))).get_slice(tid)
     return cp_atom, g2s.partition_D(sA), g2s.partition_D(cute.make_identity_tensor((cfg.bm, cfg.bk)))
 
 
-def b_store_partition(cfg: WgmmaConfig, sB, ptid):
-    """Thread p owns weight row p of each B stage, all 8 chunks; a quarter warp storing chunk c hits chunks
-    c ^ (row % 8) of 8 rows: conflict-free. Returns the st.shared atom and the sB partition ((8,1), 1, 8, stages)."""
+def b_store_partition(cfg: WgmmaConfig, sB, row):
+    """The decoder thread of weight row `row` owns that row of each B stage, all 8 chunks; a quarter warp storing
+    chunk c hits chunks c ^ (row % 8) of 8 rows: conflict-free. Returns the st.shared atom and the sB partition
+    ((8,1), 1, 8, stages)."""
     r2s_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
-    r2s = cute.make_tiled_copy_tv(r2s_atom, cute.make_layout((cfg.bn, 1)), cute.make_layout((1, 8))).get_slice(ptid)
+    r2s = cute.make_tiled_copy_tv(r2s_atom, cute.make_layout((cfg.bn, 1)), cute.make_layout((1, 8))).get_slice(row)
     return r2s_atom, r2s.partition_D(sB)
 
 
@@ -157,35 +171,36 @@ def issue_a_stage(cfg: WgmmaConfig, cp_atom, tAsA, a_src: cute.Tensor, kt, stage
 
 
 class RawRing:
-    """This thread's slots of the raw weight ring (private: read back by the thread that wrote them, no barrier)."""
+    """Weight row `row`'s share of the raw slots (written by the copier thread of that row, read by its decoder
+    thread once the stage's `copied` barrier completes)."""
 
-    def __init__(self, codes_base: Int32, scales_base: Int32, ptid):
-        self.codes = codes_base + ptid * 16
-        self.scales = scales_base + ptid * 4
+    def __init__(self, codes_base: Int32, scales_base: Int32, row):
+        self.codes = codes_base + row * 16
+        self.scales = scales_base + row * 4
 
-    def codes_at(self, slot, half) -> Int32:
-        return self.codes + (slot * 2 + half) * (PRODUCERS * 16)
+    def codes_at(self, stage, piece) -> Int32:
+        return self.codes + (stage * 2 + piece) * (WARPGROUP * 16)
 
-    def scales_at(self, slot) -> Int32:
-        return self.scales + slot * (PRODUCERS * 4)
+    def scales_at(self, stage) -> Int32:
+        return self.scales + stage * (WARPGROUP * 4)
 
 
-def issue_b_stage(cfg: WgmmaConfig, ring: RawRing, w_row: Int64, sf_row: Int64, kt, slot):
+def issue_b_stage(cfg: WgmmaConfig, ring: RawRing, w_row: Int64, sf_row: Int64, kt, stage):
     """cp.async this thread's weight row for K stage kt: 32 code bytes and the 4-byte scale group of the 128x4
     layout that holds the stage's blocks (the next group is 512 bytes on). NVFP4: blocks 4kt..4kt+3, the whole
     group; MXFP4: blocks 2kt, 2kt + 1, half of group kt / 2 (decode_b_stage picks the half)."""
     src = w_row + Int64(kt) * Int64(cfg.bk // 2)
-    ptx.cp_async_16(ring.codes_at(slot, 0), src)
-    ptx.cp_async_16(ring.codes_at(slot, 1), src + Int64(16))
+    ptx.cp_async_16(ring.codes_at(stage, 0), src)
+    ptx.cp_async_16(ring.codes_at(stage, 1), src + Int64(16))
     stages_per_group = 4 * cfg.sf_block // cfg.bk
-    ptx.cp_async_4(ring.scales_at(slot), sf_row + Int64(kt // stages_per_group) * Int64(512))
+    ptx.cp_async_4(ring.scales_at(stage), sf_row + Int64(kt // stages_per_group) * Int64(512))
 
 
-def decode_b_stage(cfg: WgmmaConfig, ring: RawRing, r2s_atom, tBsB, slot, stage, kt):
-    """Raw ring slot of K stage kt -> bf16 value * scale (e4m3, or ue8m0: a power of two, exact too) -> this
-    thread's row of sB[..., stage], one 16-byte chunk at a time."""
-    words = [ptx.ld_shared_v4(ring.codes_at(slot, h)) for h in range(2)]
-    scale_word = ptx.ld_shared_b32(ring.scales_at(slot))
+def decode_b_stage(cfg: WgmmaConfig, ring: RawRing, r2s_atom, tBsB, stage, kt):
+    """Raw slot of K stage kt -> bf16 value * scale (e4m3, or ue8m0: a power of two, exact too) -> this thread's
+    row of sB[..., stage], one 16-byte chunk at a time."""
+    words = [ptx.ld_shared_v4(ring.codes_at(stage, h)) for h in range(2)]
+    scale_word = ptx.ld_shared_b32(ring.scales_at(stage))
     chunk = cute.make_rmem_tensor(tBsB[(None, 0, 0, 0)].shape, BFloat16)
     chunk_words = cute.recast_tensor(chunk, Int32)
     blocks = cfg.bk // cfg.sf_block
@@ -209,49 +224,53 @@ def decode_b_stage(cfg: WgmmaConfig, ring: RawRing, r2s_atom, tBsB, slot, stage,
 
 
 @cute.jit
-def produce(cfg: cutlass.Constexpr, pipe, sA, sB, raw_codes: Int32, raw_scales: Int32, ptid, a_base: Int64,
-            a_row_offset: cutlass.Constexpr, w, w_sf, expert, first_row, rows_per_expert, k_extent):
-    """Warpgroup 0 over all K stages. A row m of the tile starts `a_row_offset(m)` bytes past `a_base` (bf16,
+def copy_stages(cfg: cutlass.Constexpr, pipe, copied, sA, raw_codes: Int32, raw_scales: Int32, tid, a_base: Int64,
+                a_row_offset: cutlass.Constexpr, w, w_sf, expert, first_row, rows_per_expert, k_extent):
+    """The copier over all K stages. A row m of the tile starts `a_row_offset(m)` bytes past `a_base` (bf16,
     16-byte aligned rows); the weight rows are [first_row, first_row + 128) of `expert` in the 4-bit `w` of
     `rows_per_expert` rows and K = k_extent, block scales `w_sf` (cfg.sf_block)."""
-    cp_atom, tAsA, tAcA = a_copy_partition(cfg, sA, ptid)
-    r2s_atom, tBsB = b_store_partition(cfg, sB, ptid)
+    cp_atom, tAsA, tAcA = a_copy_partition(cfg, sA, tid)
     a_src = a_sources(tAcA, a_base, a_row_offset)
-    w_row_index = first_row + ptid
+    w_row_index = first_row + tid
     w_row = w.iterator.toint() + (Int64(expert) * Int64(rows_per_expert) + Int64(w_row_index)) * Int64(k_extent // 2)
     sf_row = w_sf.iterator.toint() + Int64(swizzled_sf_offset(expert, w_row_index, 0, rows_per_expert,
                                                               k_extent // cfg.sf_block))
-    ring = RawRing(raw_codes, raw_scales, ptid)
-    k_tiles = k_extent // cfg.bk
-
+    ring = RawRing(raw_codes, raw_scales, tid)
     fill = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+    for kt in cutlass.range(k_extent // cfg.bk, unroll=1):
+        pipe.producer_acquire(fill)  # the consumers are done with the stage (so the decoder is done with its slot)
+        issue_a_stage(cfg, cp_atom, tAsA, a_src, kt, fill.index)
+        issue_b_stage(cfg, ring, w_row, sf_row, kt, fill.index)
+        copied.producer_commit(fill)  # cp.async.mbarrier.arrive.noinc: lands with this thread's copies
+        fill.advance()
+    cute.arch.cp_async_commit_group()
+    cute.arch.cp_async_wait_group(0)  # don't exit with copies in flight
+
+
+@cute.jit
+def decode_stages(cfg: cutlass.Constexpr, pipe, copied, sB, raw_codes: Int32, raw_scales: Int32, tid, k_extent):
+    """The decoder over all K stages: thread t decodes weight row t of each stage's raw slot into sB."""
+    r2s_atom, tBsB = b_store_partition(cfg, sB, tid)
+    ring = RawRing(raw_codes, raw_scales, tid)
+    landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
     publish = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
-    for j in cutlass.range(k_tiles + cfg.lag, unroll=1):
-        if j < k_tiles:
-            pipe.producer_acquire(fill)
-            issue_a_stage(cfg, cp_atom, tAsA, a_src, j, fill.index)
-            issue_b_stage(cfg, ring, w_row, sf_row, j, j % (cfg.lag + 1))
-            fill.advance()
-        # One group per iteration, empty ones included, so "group j - lag landed" is always wait_group(lag).
-        cute.arch.cp_async_commit_group()
-        if j >= cfg.lag:
-            d = j - cfg.lag
-            cute.arch.cp_async_wait_group(cfg.lag)
-            decode_b_stage(cfg, ring, r2s_atom, tBsB, d % (cfg.lag + 1), publish.index, d)
-            cute.arch.fence_view_async_shared()  # generic-proxy writes (cp.async, st.shared) -> wgmma reads
-            pipe.producer_commit(publish)
-            publish.advance()
-    pipe.producer_tail(fill)  # don't exit with consumer releases still in flight
+    for kt in cutlass.range(k_extent // cfg.bk, unroll=1):
+        copied.consumer_wait(landed)
+        decode_b_stage(cfg, ring, r2s_atom, tBsB, landed.index, kt)
+        cute.arch.fence_view_async_shared()  # st.shared (generic proxy) -> wgmma reads (async proxy)
+        pipe.producer_commit(publish)
+        landed.advance()
+        publish.advance()
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Consumers (warpgroups 1 and 2)
+# Consumers (warpgroups 2 and 3)
 # ----------------------------------------------------------------------------------------------------------------
 @cute.jit
 def consume(cfg: cutlass.Constexpr, pipe, sA, sB, s_c, tiled_mma: cute.TiledMma, wg, ctid, k_extent):
     """acc (64 rows x 128 weight rows per warpgroup) = sA . sB^T over all K stages, then staged into s_c and
     synchronised across both consumer warpgroups."""
-    thr_wg = tiled_mma.get_slice((wg - 1) * 128)
+    thr_wg = tiled_mma.get_slice((wg - FIRST_CONSUMER) * WARPGROUP)
     tCrA = tiled_mma.make_fragment_A(thr_wg.partition_A(sA))  # smem descriptors (MMA, M, K, stages)
     tCrB = tiled_mma.make_fragment_B(thr_wg.partition_B(sB))
     tCcC = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((cfg.bm, cfg.bn)))
@@ -276,10 +295,12 @@ def consume(cfg: cutlass.Constexpr, pipe, sA, sB, s_c, tiled_mma: cute.TiledMma,
     cute.nvgpu.warpgroup.wait_group(0)
     pipe.consumer_release(release)
 
+    consumers = pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMERS)
+    consumers.arrive_and_wait()  # s_c overlays the sA ring: the other warpgroup may still read its last stage
     for i in cutlass.range_constexpr(cute.size(acc)):
         m, n = tCcC[i]
         s_c[(m, n)] = acc[i]
-    pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMERS).arrive_and_wait()
+    consumers.arrive_and_wait()
 
 
 def epilogue_thread(ctid):
