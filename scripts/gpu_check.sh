@@ -112,10 +112,11 @@ elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, 
     echo "install $d rc=$?" | tee -a "$OUT/summary.txt"
     step "prefill_${d#.}" 200 python3 benchmarks/profile_kernels.py \
       --points qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096,gpt-oss-120b:4096
-    [ "$PWD/$d" = "$MOE_EXT_KERNEL_DIR" ] || [ "${AB_CHECK:-1}" = 0 ] || tests_step "check_${d#.}" 150 tests/test_hopper_kernels.py -k "large_token_count or (shapes_and and 7168 and w4a16)"
+    [ "$PWD/$d" = "$MOE_EXT_KERNEL_DIR" ] || [ "${AB_CHECK:-1}" = 0 ] || tests_step "check_${d#.}" 150 \
+      tests/test_hopper_kernels.py -k "large_token_count or (shapes_and and 7168 and w4a16)"
   done
   MOE_EXT_KERNEL_DIR=$MOE_EXT_KERNEL_DIR MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
-elif [ "$PART" = sweep ]; then  # issue 4's sweep, w4a16 fused, all three implementations (carry .offline/triton_kernels_v3.6)
+elif [ "$PART" = sweep ]; then  # issue 4's sweep, w4a16 fused, all three impls (carry .offline/triton_kernels_v3.6)
   step sweep 560 env PYTHONPATH="$PWD:$PWD/.offline/triton_kernels_v3.6" python3 -m moe_ext.bench \
     --shapes qwen3-30b-a3b,deepseek-v3-ep8,gpt-oss-120b,mixtral-8x7b,deepseek-v3 \
     --tokens 1,8,64,256,1024,4096,16384 --modes w4a16 --finalize fused \
