@@ -59,6 +59,11 @@ VARIANTS = {
     "wgmma_rs": {"mma": "wgmma"},
     "wgmma_async": {"mma": "wgmma_async"},  # ... with each step's wgmmas in flight under the next step
     "wgmma_async_one_cta": {"mma": "wgmma_async", "ctas_per_sm": 1},  # ... with registers for two steps' fragments
+    # Three 8-warp CTAs per SM (6 warps per scheduler instead of 4, to hide the decode chains' latencies): 80
+    # registers a thread, no spills at tiles 8-32 (sm_90a SASS, session 10); 4 stages and a 32 KB token tile
+    # (K-chunk 2048 at 8 tokens) keep three CTAs in 228 KB of shared memory.
+    "three_ctas": {"ctas_per_sm": 3, "stages": 4, "token_elems": 16384, "k_slices": 1},
+    "three_ctas_chunk1024": {"ctas_per_sm": 3, "stages": 4, "token_elems": 8192, "k_slices": 1},
 }
 
 

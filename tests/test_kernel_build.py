@@ -133,3 +133,25 @@ def test_streaming_mainloop_on_register_a_wgmma_compiles(gemm, tokens, mma):
         assert gemm1.compile_launch(gemm1.make_kernel("w4a4", "swiglu", tokens, cfg), "--gpu-arch sm_90a") is not None
     else:
         assert gemm2.compile_launch(gemm2.make_kernel("w4a8", tokens, cfg), "--gpu-arch sm_90a") is not None
+
+
+@pytest.mark.parametrize("gemm,tokens", [(1, 8), (2, 16)])
+def test_three_ctas_per_sm_variant_fits_and_compiles(gemm, tokens):
+    """benchmarks/stream_variants.py's `three_ctas`: three CTAs' shared memory fit one SM (228 KB, 1 KB reserved per
+    CTA) at every decode tile, and the 80-register configuration compiles for sm_90a."""
+    import dataclasses
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from stream_variants import VARIANTS
+
+    from moe_ext.kernels.sm90 import gemm1, gemm2, stream
+
+    for tile in (8, 16, 32):
+        for g in (1, 2):
+            c = dataclasses.replace(stream.config_for(tile, g), **VARIANTS["three_ctas"])
+            assert 3 * (stream.shared_bytes(tile, c) + 1024) <= 228 * 1024, (tile, g)
+    cfg = dataclasses.replace(stream.config_for(tokens, gemm), **VARIANTS["three_ctas"])
+    if gemm == 1:
+        assert gemm1.compile_launch(gemm1.make_kernel("w4a16", "swiglu", tokens, cfg), "--gpu-arch sm_90a") is not None
+    else:
+        assert gemm2.compile_launch(gemm2.make_kernel("w4a16", tokens, cfg), "--gpu-arch sm_90a") is not None
