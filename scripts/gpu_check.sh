@@ -107,7 +107,7 @@ elif [ "$PART" = prefill ]; then  # per-kernel times where the wgmma GEMMs run (
   step profile_prefill 200 python3 benchmarks/profile_kernels.py \
     --points qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096,gpt-oss-120b:4096
 elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, wgmma variants); install + profile each
-  for d in ${AB_DIRS:-.kernels .kernels_dec2 .kernels_dec2lean .kernels_persist}; do
+  for d in ${AB_DIRS:-.kernels .kernels_dec2 .kernels_dec2lean}; do
     MOE_EXT_KERNEL_DIR=$PWD/$d MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_${d#.}.log" 2>&1
     echo "install $d rc=$?" | tee -a "$OUT/summary.txt"
     step "prefill_${d#.}" 200 python3 benchmarks/profile_kernels.py \
