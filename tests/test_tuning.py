@@ -132,8 +132,8 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
 
 def test_tuning_times_candidates_on_a_stand_in_routing_not_on_the_callers(tuner):
     """A bucket's tactic must not hang on its first call's routing: with expert parallelism a T=1 call often sends
-    no slot to this rank, and every tactic then ties at doing nothing. The candidates run on an evenly spread
-    routing of the same shape (this rank gets its mean share); the caller's own run then uses the caller's."""
+    no slot to this rank, and every tactic then ties at doing nothing. The candidates run on a stand-in routing of
+    the same shape (this rank gets its mean share, experts random-like loads); the caller's run uses the caller's."""
     from moe_ext import backends
 
     case = make_case("w4a16", num_tokens=4, top_k=2, num_experts=8, ep=4, rank=1)
