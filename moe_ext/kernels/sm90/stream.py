@@ -28,9 +28,10 @@ results stay reproducible.
 Scale bookkeeping: the decoded weight bit pattern is w * 2^-126; it is multiplied by bf16(scale * 2^63), and the
 token tile holds x * 2^63, so the fp32 accumulator is exactly sum(w * scale * x) (every step is an exact bf16
 operation; semantics §2.1). Limits of that trick: token values must stay below 2^64 in magnitude and MXFP4 weight
-scales inside [2^-62, 2^64): below 2^-62 a decoded weight times 2^-63 leaves bf16's normal range and loses bits
-(checked on the CPU for every e2m1 code and scale byte: NVFP4's e4m3 scales are all inside). Both limits are far
-outside anything a real layer holds.
+scales inside [2^-62, 2^64]: below 2^-62 a decoded weight times 2^-63 leaves bf16's normal range (subnormal
+results keep it exact down to 2^-69, if the multiply does not flush them), above 2^64 the scale times 2^63
+overflows. Checked on the CPU for every e2m1 code and scale byte; NVFP4's e4m3 scales are all inside. Both limits
+are far outside anything a real layer holds.
 """
 from __future__ import annotations
 
