@@ -32,6 +32,8 @@ LOG=$(mktemp -d)
 pack() { cp "$OUT/summary.txt" "$LOG/" 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$LOG" .; }
 trap pack EXIT
 export PYTHONUNBUFFERED=1
+# The five shapes at T=4096, where the default tactic runs the wgmma GEMMs (parts prefill and ab_wgmma).
+PREFILL_T4096=qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096,gpt-oss-120b:4096
 export MOE_EXT_KERNEL_DIR=${MOE_EXT_KERNEL_DIR:-$PWD/.kernels}
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -105,13 +107,13 @@ elif [ "$PART" = grid ]; then  # GRID_SHARD: one or more K/N, space-separated; o
   done
 elif [ "$PART" = prefill ]; then  # per-kernel times where the wgmma GEMMs run (the default tactic at T=4096)
   step profile_prefill 200 python3 benchmarks/profile_kernels.py \
-    --points qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096,gpt-oss-120b:4096
+    --points $PREFILL_T4096
 elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, wgmma variants); install + profile each
   for d in ${AB_DIRS:-.kernels .kernels_dec2 .kernels_dec2lean}; do
     MOE_EXT_KERNEL_DIR=$PWD/$d MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_${d#.}.log" 2>&1
     echo "install $d rc=$?" | tee -a "$OUT/summary.txt"
     step "prefill_${d#.}" 200 python3 benchmarks/profile_kernels.py \
-      --points qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096,gpt-oss-120b:4096
+      --points $PREFILL_T4096
     [ "$PWD/$d" = "$MOE_EXT_KERNEL_DIR" ] || [ "${AB_CHECK:-1}" = 0 ] || tests_step "check_${d#.}" 150 \
       tests/test_hopper_kernels.py -k "large_token_count or (shapes_and and 7168 and w4a16)"
   done

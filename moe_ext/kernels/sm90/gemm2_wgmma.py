@@ -44,7 +44,7 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
                            sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         tile, n_tile, _ = cute.arch.block_idx()
-        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg = cute.arch.make_warp_uniform(tidx // mainloop.WARPGROUP)
         cute.arch.griddepcontrol_wait()
         if tile < num_live_tiles[0]:
             expert = tile_to_expert[tile]
