@@ -7,7 +7,7 @@
 #   quant_wgmma: the w4a4 / w4a8 reference checks (they add the wgmma tactic), memcheck, their wgmma benchmark
 #   grid:      the full issue-3 correctness grid (13,200 cases), shards $GRID_SHARD ("K/N ...", default 0/1), 500 s each
 #   ab_wgmma:  install, profile (as prefill) and check (wgmma-heavy kernel tests) each directory of $AB_DIRS,
-#              then reinstall $MOE_EXT_KERNEL_DIR
+#              then reinstall $MOE_EXT_KERNEL_DIR (unless it ran alone)
 #   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels)
 #   prefill:   per-kernel profile of the default tactic at T=4096 on five shapes (the wgmma GEMMs)
 #   prefill_ncu: ncu sections of the wgmma GEMMs at $PREFILL_POINTS (default mixtral-8x7b:4096)
@@ -29,7 +29,10 @@ mkdir -p "$OUT"
 # The device returns only a few files: logs go to $LOG and travel packed in $OUT/logs.tgz (repacked after each
 # step, so a run cut short still brings back what it finished); $OUT holds that, summary.txt and the JSON records.
 LOG=$(mktemp -d)
-pack() { cp "$OUT/summary.txt" "$LOG/" 2>/dev/null; tar czf "$OUT/logs.tgz" -C "$LOG" .; }
+pack() {  # atomic: grid shards pack side by side
+  cp "$OUT/summary.txt" "$LOG/" 2>/dev/null
+  tar czf "$LOG.$BASHPID.tgz" -C "$LOG" . 2>/dev/null; mv -f "$LOG.$BASHPID.tgz" "$OUT/logs.tgz"
+}
 trap pack EXIT
 export PYTHONUNBUFFERED=1
 # The five shapes at T=4096, where the default tactic runs the wgmma GEMMs (parts prefill and ab_wgmma).
@@ -39,8 +42,12 @@ export MOE_EXT_KERNEL_DIR=${MOE_EXT_KERNEL_DIR:-$PWD/.kernels}
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } > "$LOG/env.txt" 2>&1
-MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install.log" 2>&1
-echo "install rc=$?" | tee "$OUT/summary.txt"
+: > "$OUT/summary.txt"
+# ab_wgmma installs each of its directories itself; alone, it needs no install of the default one first.
+if [ "$PARTS" != ab_wgmma ]; then
+  MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install.log" 2>&1
+  echo "install rc=$?" | tee -a "$OUT/summary.txt"
+fi
 step() {  # step NAME TIMEOUT COMMAND...: run, log to $LOG/NAME.log, note rc and the last line
   local name=$1 limit=$2; shift 2
   timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
@@ -49,7 +56,7 @@ step() {  # step NAME TIMEOUT COMMAND...: run, log to $LOG/NAME.log, note rc and
 }
 tests_step() {  # tests_step NAME TIMEOUT PYTEST-ARGS...: a pytest step, its failures copied into the summary
   local name=$1 limit=$2; shift 2
-  step "$name" "$limit" python3 -m pytest -q -p no:cacheprovider "$@"
+  step "$name" "$limit" python3 -m pytest -q -p no:cacheprovider ${PYTEST_WORKERS:+-n $PYTEST_WORKERS} "$@"
   grep -E "^(FAILED|ERROR)" "$LOG/$name.log" | head -20 | tee -a "$OUT/summary.txt"
 }
 for PART in $PARTS; do
@@ -98,13 +105,15 @@ elif [ "$PART" = variants ]; then  # VARIANT_ARGS: one stream_variants.py argume
   done <<< "$VARIANT_ARGS"
 elif [ "$PART" = memcheck ]; then
   step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/memcheck_smoke.py
-elif [ "$PART" = grid ]; then  # GRID_SHARD: one or more K/N, space-separated; one JSON each (logs folded in)
+elif [ "$PART" = grid ]; then  # GRID_SHARD: one or more K/N, space-separated, run side by side on the one GPU
+  # (the cases are mostly host time); GRID_SECONDS bounds each; one JSON each, packed with the logs
   for shard in ${GRID_SHARD:-0/1}; do
     name=grid_${shard%/*}of${shard#*/}
-    step "$name" 540 python3 scripts/correctness_grid.py --shard "$shard" --max-seconds 500 --out "$OUT/$name.json"
-    grep FAILED "$LOG/$name.log" | head -20 >> "$OUT/summary.txt"
-    rm -f "$LOG/$name.log"
+    step "$name" $(( ${GRID_SECONDS:-500} + 40 )) python3 scripts/correctness_grid.py --shard "$shard" \
+      --max-seconds "${GRID_SECONDS:-500}" --out "$LOG/$name.json" &
   done
+  wait
+  grep -h FAILED "$LOG"/grid_*.log | head -20 >> "$OUT/summary.txt"
 elif [ "$PART" = prefill ]; then  # per-kernel times where the wgmma GEMMs run (the default tactic at T=4096)
   step profile_prefill 200 python3 benchmarks/profile_kernels.py \
     --points $PREFILL_T4096
@@ -114,10 +123,12 @@ elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, 
     echo "install $d rc=$?" | tee -a "$OUT/summary.txt"
     step "prefill_${d#.}" 200 python3 benchmarks/profile_kernels.py \
       --points $PREFILL_T4096
+    grep "us of kernels" "$LOG/prefill_${d#.}.log" | awk -v d="$d" '{t = t " " $1 " " $5} END {print d ":" t}' \
+      >> "$OUT/summary.txt"
     [ "$PWD/$d" = "$MOE_EXT_KERNEL_DIR" ] || [ "${AB_CHECK:-1}" = 0 ] || tests_step "check_${d#.}" 150 \
       tests/test_hopper_kernels.py -k "large_token_count or (shapes_and and 7168 and w4a16)"
   done
-  MOE_EXT_KERNEL_DIR=$MOE_EXT_KERNEL_DIR MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
+  [ "$PARTS" = ab_wgmma ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
 elif [ "$PART" = sweep ]; then  # issue 4's sweep, w4a16 fused, all three impls (carry .offline/triton_kernels_v3.6)
   step sweep 560 env PYTHONPATH="$PWD:$PWD/.offline/triton_kernels_v3.6" python3 -m moe_ext.bench \
     --shapes qwen3-30b-a3b,deepseek-v3-ep8,gpt-oss-120b,mixtral-8x7b,deepseek-v3 \
