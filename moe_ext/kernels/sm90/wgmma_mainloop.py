@@ -22,6 +22,11 @@ Against the earlier single producer warpgroup (copies two stages ahead, then wai
 issued behind its next copies; 4 stages and an s_c of its own), this split ran GEMM1 1.06-1.18x and GEMM2
 1.01-1.08x faster at T = 4096 on five shapes; the 6-stage ring alone changed nothing
 (benchmarks/results/h200_session10_checks.md).
+
+Persistent (this branch, compiled, not yet run): `ctas` CTAs loop over the work items, each role carrying its ring
+states from one item to the next, so the ring's fill and the epilogue overlap the neighbouring items' mainloops.
+The epilogue tile has its own shared memory and the ring is 4 stages deep (214 KB). ptxas keeps a few values that
+cross the setmaxnreg branches in local memory (8-24 bytes of stack, loaded once per work item, not per stage).
 """
 # (no `from __future__ import annotations`: cute.struct reads its annotations as live objects)
 from dataclasses import dataclass
@@ -47,7 +52,11 @@ class WgmmaConfig:
     bm: int = 128  # routed rows per CTA (= the routing tile)
     bn: int = 128  # weight rows per CTA
     bk: int = 64  # K per stage: 128 bytes of bf16 = one 128B-swizzle row
-    stages: int = 6  # sA + sB + raw ring depth (36.5 KB a stage); s_c reuses sA after the mainloop
+    stages: int = 4  # sA + sB + raw ring depth (36.5 KB a stage; 6 measured no faster in session 10)
+    # Persistent CTAs: a CTA takes work items (routing tile, column tile) ctas apart, so the copier and decoder fill
+    # the next item's stages while the consumers run this one's epilogue out of their own s_c. 132 = the SMs of an
+    # H100 SXM / H200 (one 214 KB CTA each); on a GPU with fewer SMs the extra CTAs wait for a free SM.
+    ctas: int = 132
     # fp32 padding of an s_c row (pitch 132 = 4 mod 32): the epilogue's 16-byte row reads by 8 consecutive rows
     # cover all 32 banks; the accumulator's 8-byte stores pay a 2-way conflict once per tile.
     pad: int = 4
@@ -69,7 +78,6 @@ class WgmmaConfig:
         assert self.bm == 128 and self.bn == 128, "the thread mappings assume a 128 x 128 tile"
         assert self.bk == 64, "one stage must be one 4-block group of the 128x4 scale layout"
         assert self.stages >= 3, "the consumers hold up to two stages (wgmma wait_group(1))"
-        assert self.stages * self.bm * self.bk * 2 >= self.bm * self.pitch * 4, "s_c must fit in the sA ring"
         assert self.sf_block in (16, 32), "NVFP4 (16) or MXFP4 (32) weights"
         regs = WARPGROUP * (self.copier_regs + self.decoder_regs) + CONSUMERS * self.consumer_regs
         assert regs <= 65536, "register file"
@@ -102,6 +110,7 @@ def make_storage(cfg: WgmmaConfig, sA_layout, sB_layout):
         raw_scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * WARPGROUP * 4], 16]
         sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sA_layout)], 1024]
         sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sB_layout)], 1024]
+        sC: cute.struct.Align[cute.struct.MemRange[Float32, cfg.bm * cfg.pitch], 16]
 
     return Storage
 
@@ -113,8 +122,8 @@ def allocate(cfg: WgmmaConfig, sA_layout, sB_layout):
     arrivals per stage (its empty side is unused: the copier waits for the consumers' release of the stage);
     `pipeline`'s full barriers count the 128 decoder threads, its empty ones the 256 consumer threads.
     sA (bm, bk, stages) and sB (bn, bk, stages) carry their swizzle in the pointer; s_c is fp32 (bm, bn) with row
-    pitch cfg.pitch, the accumulator tile for the epilogue, over sA's memory: the ring is idle once both consumers
-    are past their last wgmma (consume's barrier), and the ring's depth is worth more than a tile of its own."""
+    pitch cfg.pitch, the accumulator tile for the epilogue (its own memory: the ring already holds the next work
+    item's stages while the epilogue reads it)."""
     st = cutlass.memory.SmemAllocator().allocate(make_storage(cfg, sA_layout, sB_layout))
     warpgroup = pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPGROUP)
     copied = pipeline.PipelineCpAsync.create(barrier_storage=st.copied_mbar.data_ptr(), num_stages=cfg.stages,
@@ -124,9 +133,20 @@ def allocate(cfg: WgmmaConfig, sA_layout, sB_layout):
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMERS))
     return (st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner),
             st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner),
-            cute.make_tensor(cute.recast_ptr(st.sA.data_ptr(), dtype=Float32),
-                             cute.make_layout((cfg.bm, cfg.bn), stride=(cfg.pitch, 1))),
+            st.sC.get_tensor(cute.make_layout((cfg.bm, cfg.bn), stride=(cfg.pitch, 1))),
             st.raw_codes.data_ptr().toint(), st.raw_scales.data_ptr().toint(), copied, pipe)
+
+
+class WorkItem:
+    """Work item w of a persistent CTA: routing tile w % live (consecutive CTAs share a column tile of weights,
+    as the grid order of the non-persistent kernels did) and column tile w // live."""
+
+    def __init__(self, cfg: WgmmaConfig, w, live, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor):
+        tile = w % live
+        self.n_tile = w // live
+        self.expert = tile_to_expert[tile]
+        self.limit = tile_to_mn_limit[tile]
+        self.row0 = tile * cfg.bm
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -225,10 +245,11 @@ def decode_b_stage(cfg: WgmmaConfig, ring: RawRing, r2s_atom, tBsB, stage, kt):
 
 @cute.jit
 def copy_stages(cfg: cutlass.Constexpr, pipe, copied, sA, raw_codes: Int32, raw_scales: Int32, tid, a_base: Int64,
-                a_row_offset: cutlass.Constexpr, w, w_sf, expert, first_row, rows_per_expert, k_extent):
-    """The copier over all K stages. A row m of the tile starts `a_row_offset(m)` bytes past `a_base` (bf16,
-    16-byte aligned rows); the weight rows are [first_row, first_row + 128) of `expert` in the 4-bit `w` of
-    `rows_per_expert` rows and K = k_extent, block scales `w_sf` (cfg.sf_block)."""
+                a_row_offset: cutlass.Constexpr, w, w_sf, expert, first_row, rows_per_expert, k_extent, fill):
+    """The copier over all K stages of one work item, from ring state `fill` (returned advanced). A row m of the
+    tile starts `a_row_offset(m)` bytes past `a_base` (bf16, 16-byte aligned rows); the weight rows are
+    [first_row, first_row + 128) of `expert` in the 4-bit `w` of `rows_per_expert` rows and K = k_extent, block
+    scales `w_sf` (cfg.sf_block). The copier waits for its last copies once, after its last item."""
     cp_atom, tAsA, tAcA = a_copy_partition(cfg, sA, tid)
     a_src = a_sources(tAcA, a_base, a_row_offset)
     w_row_index = first_row + tid
@@ -236,24 +257,34 @@ def copy_stages(cfg: cutlass.Constexpr, pipe, copied, sA, raw_codes: Int32, raw_
     sf_row = w_sf.iterator.toint() + Int64(swizzled_sf_offset(expert, w_row_index, 0, rows_per_expert,
                                                               k_extent // cfg.sf_block))
     ring = RawRing(raw_codes, raw_scales, tid)
-    fill = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
     for kt in cutlass.range(k_extent // cfg.bk, unroll=1):
         pipe.producer_acquire(fill)  # the consumers are done with the stage (so the decoder is done with its slot)
         issue_a_stage(cfg, cp_atom, tAsA, a_src, kt, fill.index)
         issue_b_stage(cfg, ring, w_row, sf_row, kt, fill.index)
         copied.producer_commit(fill)  # cp.async.mbarrier.arrive.noinc: lands with this thread's copies
         fill.advance()
+    return fill
+
+
+def ring_states(cfg: WgmmaConfig):
+    """Fresh (producer, consumer) states of a ring, for a role's first work item."""
+    return (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages),
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages))
+
+
+def drain_copies():
+    """The copier's last act: don't exit with copies in flight."""
     cute.arch.cp_async_commit_group()
-    cute.arch.cp_async_wait_group(0)  # don't exit with copies in flight
+    cute.arch.cp_async_wait_group(0)
 
 
 @cute.jit
-def decode_stages(cfg: cutlass.Constexpr, pipe, copied, sB, raw_codes: Int32, raw_scales: Int32, tid, k_extent):
-    """The decoder over all K stages: thread t decodes weight row t of each stage's raw slot into sB."""
+def decode_stages(cfg: cutlass.Constexpr, pipe, copied, sB, raw_codes: Int32, raw_scales: Int32, tid, k_extent,
+                  landed, publish):
+    """The decoder over all K stages of one work item: thread t decodes weight row t of each stage's raw slot into
+    sB. Returns the states (landed on `copied`, publish on the pipeline) advanced."""
     r2s_atom, tBsB = b_store_partition(cfg, sB, tid)
     ring = RawRing(raw_codes, raw_scales, tid)
-    landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-    publish = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
     for kt in cutlass.range(k_extent // cfg.bk, unroll=1):
         copied.consumer_wait(landed)
         decode_b_stage(cfg, ring, r2s_atom, tBsB, landed.index, kt)
@@ -261,15 +292,16 @@ def decode_stages(cfg: cutlass.Constexpr, pipe, copied, sB, raw_codes: Int32, ra
         pipe.producer_commit(publish)
         landed.advance()
         publish.advance()
+    return landed, publish
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Consumers (warpgroups 2 and 3)
 # ----------------------------------------------------------------------------------------------------------------
 @cute.jit
-def consume(cfg: cutlass.Constexpr, pipe, sA, sB, s_c, tiled_mma: cute.TiledMma, wg, ctid, k_extent):
-    """acc (64 rows x 128 weight rows per warpgroup) = sA . sB^T over all K stages, then staged into s_c and
-    synchronised across both consumer warpgroups."""
+def consume(cfg: cutlass.Constexpr, pipe, sA, sB, s_c, tiled_mma: cute.TiledMma, wg, ctid, k_extent, read, release):
+    """acc (64 rows x 128 weight rows per warpgroup) = sA . sB^T over all K stages of one work item, then staged
+    into s_c and synchronised across both consumer warpgroups. Returns the ring states advanced."""
     thr_wg = tiled_mma.get_slice((wg - FIRST_CONSUMER) * WARPGROUP)
     tCrA = tiled_mma.make_fragment_A(thr_wg.partition_A(sA))  # smem descriptors (MMA, M, K, stages)
     tCrB = tiled_mma.make_fragment_B(thr_wg.partition_B(sB))
@@ -277,8 +309,6 @@ def consume(cfg: cutlass.Constexpr, pipe, sA, sB, s_c, tiled_mma: cute.TiledMma,
     acc = cute.make_rmem_tensor(tCcC.shape, Float32)
     k_blocks = cute.size(tCrA, mode=[2])
 
-    read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-    release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
     for kt in cutlass.range(k_extent // cfg.bk, unroll=1):
         pipe.consumer_wait(read)
@@ -294,13 +324,15 @@ def consume(cfg: cutlass.Constexpr, pipe, sA, sB, s_c, tiled_mma: cute.TiledMma,
         read.advance()
     cute.nvgpu.warpgroup.wait_group(0)
     pipe.consumer_release(release)
+    release.advance()
 
     consumers = pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMERS)
-    consumers.arrive_and_wait()  # s_c overlays the sA ring: the other warpgroup may still read its last stage
+    consumers.arrive_and_wait()  # every consumer thread is done reading the previous item's s_c
     for i in cutlass.range_constexpr(cute.size(acc)):
         m, n = tCcC[i]
         s_c[(m, n)] = acc[i]
     consumers.arrive_and_wait()
+    return read, release
 
 
 def epilogue_thread(ctid):
