@@ -48,7 +48,7 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
 
     @cute.kernel
     def gemm1_wgmma_kernel(x_bf16: cute.Tensor, x_q: cute.Tensor, x_sf: cute.Tensor, per_token_scale: cute.Tensor,
-                           w1: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor,
+                           w1_tma_atom: cute.CopyAtom, w1_tma: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor,
                            permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor,
                            tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor, out_bf16: cute.Tensor,
                            out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor, hidden: Int32,
@@ -73,7 +73,8 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
                     return Int64(token) * Int64(hidden) * Int64(2)
 
                 fill = mainloop.copy_stages(cfg, pipe, copied, sA, raw_codes, raw_scales, tidx,
-                                            x_bf16.iterator.toint(), token_row_offset, w1, w1_sf, item.expert,
+                                            x_bf16.iterator.toint(), token_row_offset, w1_tma_atom, w1_tma, w1_sf,
+                                            item.expert,
                                             item.n_tile * cfg.bn, n1, hidden, fill)
             mainloop.drain_copies()
         elif wg == mainloop.DECODER:
@@ -136,7 +137,9 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
         tiled_mma = mainloop.make_tiled_mma(cfg)
         sA_layout, sB_layout = mainloop.smem_layouts(cfg)
         storage = mainloop.make_storage(cfg, sA_layout, sB_layout)
-        gemm1_wgmma_kernel(x_bf16, x_q, x_sf, per_token_scale, w1, w1_sf, w1_alpha, permuted_to_expanded,
+        w1_tma_atom, w1_tma = mainloop.raw_weight_tma(cfg, w1, cute.size(w1_alpha), n1, hidden)
+        gemm1_wgmma_kernel(x_bf16, x_q, x_sf, per_token_scale, w1_tma_atom, w1_tma, w1_sf, w1_alpha,
+                           permuted_to_expanded,
                            tile_to_expert, tile_to_mn_limit, num_live_tiles, out_bf16, out_q, out_sf,
                            fc2_input_scale, hidden, n1, inter, col_offset, top_k, p0, p1, p2, p3, tiled_mma,
                            sA_layout, sB_layout).launch(

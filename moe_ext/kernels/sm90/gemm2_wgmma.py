@@ -36,7 +36,7 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
 
     @cute.kernel
     def gemm2_wgmma_kernel(a_bf16: cute.Tensor, a_q: cute.Tensor, a_sf: cute.Tensor, row_scale: cute.Tensor,
-                           w2: cute.Tensor, w2_sf: cute.Tensor, w2_alpha: cute.Tensor,
+                           w2_tma_atom: cute.CopyAtom, w2_tma: cute.Tensor, w2_sf: cute.Tensor, w2_alpha: cute.Tensor,
                            token_final_scales: cute.Tensor, permuted_to_expanded: cute.Tensor,
                            tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
                            out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32, col_offset: Int32,
@@ -59,7 +59,8 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
                     return Int64(cute.math.min(item.row0 + m, item.limit - 1)) * Int64(inter) * Int64(2)
 
                 fill = mainloop.copy_stages(cfg, pipe, copied, sA, raw_codes, raw_scales, tidx,
-                                            a_bf16.iterator.toint(), permuted_row_offset, w2, w2_sf, item.expert,
+                                            a_bf16.iterator.toint(), permuted_row_offset, w2_tma_atom, w2_tma, w2_sf,
+                                            item.expert,
                                             item.n_tile * cfg.bn, hidden, inter, fill)
             mainloop.drain_copies()
         elif wg == mainloop.DECODER:
@@ -110,7 +111,8 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
         tiled_mma = mainloop.make_tiled_mma(cfg)
         sA_layout, sB_layout = mainloop.smem_layouts(cfg)
         storage = mainloop.make_storage(cfg, sA_layout, sB_layout)
-        gemm2_wgmma_kernel(a_bf16, a_q, a_sf, row_scale, w2, w2_sf, w2_alpha, token_final_scales,
+        w2_tma_atom, w2_tma = mainloop.raw_weight_tma(cfg, w2, cute.size(w2_alpha), hidden, inter)
+        gemm2_wgmma_kernel(a_bf16, a_q, a_sf, row_scale, w2_tma_atom, w2_tma, w2_sf, w2_alpha, token_final_scales,
                            permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out, hidden,
                            inter, out_pitch, col_offset, top_k, fused, tiled_mma, sA_layout, sB_layout).launch(
             grid=(cfg.ctas, 1, 1), block=(cfg.threads, 1, 1),

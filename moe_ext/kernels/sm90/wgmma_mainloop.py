@@ -30,6 +30,7 @@ cross the setmaxnreg branches in local memory (8-24 bytes of stack, loaded once 
 """
 # (no `from __future__ import annotations`: cute.struct reads its annotations as live objects)
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -39,8 +40,11 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.tensor_utils import LayoutEnum
 
+from cutlass.cute.nvgpu import cpasync
+
 from . import ptx
 from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
+from .stream import weight_box_tma
 
 WARPGROUP = 128
 COPIER, DECODER, FIRST_CONSUMER = 0, 1, 2  # warpgroups
@@ -104,10 +108,10 @@ def make_storage(cfg: WgmmaConfig, sA_layout, sB_layout):
     class Storage:
         copied_mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]  # copied[stages] (+ unused empties)
         mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]  # full[stages], empty[stages]
-        # Raw weight slot of each stage: [stage][piece][row] 16 B (conflict-free 16-byte accesses by consecutive
-        # rows) and [stage][row] 4 scale bytes.
-        raw_codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * 2 * WARPGROUP * 16], 16]
-        raw_scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * WARPGROUP * 4], 16]
+        # Raw weight slot of each stage as the TMA box lands: [stage][row] 32 code bytes, and the stage's 512-byte
+        # scale atom of the 128x4 layout (bulk copy).
+        raw_codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * cfg.bn * cfg.bk // 2], 1024]
+        raw_scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * 512], 16]
         sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sA_layout)], 1024]
         sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sB_layout)], 1024]
         sC: cute.struct.Align[cute.struct.MemRange[Float32, cfg.bm * cfg.pitch], 16]
@@ -126,8 +130,11 @@ def allocate(cfg: WgmmaConfig, sA_layout, sB_layout):
     item's stages while the epilogue reads it)."""
     st = cutlass.memory.SmemAllocator().allocate(make_storage(cfg, sA_layout, sB_layout))
     warpgroup = pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPGROUP)
+    # 128 cp.async arrivals (A) + the arrival that announces the TMA bytes (raw weights and scales)
     copied = pipeline.PipelineCpAsync.create(barrier_storage=st.copied_mbar.data_ptr(), num_stages=cfg.stages,
-                                             producer_group=warpgroup, consumer_group=warpgroup, defer_sync=True)
+                                             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                                                      WARPGROUP + 1),
+                                             consumer_group=warpgroup, defer_sync=True)
     pipe = pipeline.PipelineAsync.create(
         barrier_storage=st.mbar.data_ptr(), num_stages=cfg.stages, producer_group=warpgroup,
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMERS))
@@ -191,29 +198,49 @@ def issue_a_stage(cfg: WgmmaConfig, cp_atom, tAsA, a_src: cute.Tensor, kt, stage
 
 
 class RawRing:
-    """Weight row `row`'s share of the raw slots (written by the copier thread of that row, read by its decoder
-    thread once the stage's `copied` barrier completes)."""
+    """Weight row `row`'s view of the raw slots: its 32 code bytes of a stage (the TMA box's row, read as two
+    16-byte pieces: 2-way bank conflicts on 2 loads a stage) and its 4-byte scale group in the stage's 512-byte
+    atom of the 128x4 layout (row r at (r % 32) * 16 + (r // 32) * 4)."""
 
-    def __init__(self, codes_base: Int32, scales_base: Int32, row):
-        self.codes = codes_base + row * 16
-        self.scales = scales_base + row * 4
+    def __init__(self, cfg: WgmmaConfig, codes_base: Int32, scales_base: Int32, row):
+        self.slot_bytes = cfg.bn * cfg.bk // 2
+        self.codes = codes_base + row * (cfg.bk // 2)
+        self.scales = scales_base + (row % 32) * 16 + (row // 32) * 4
 
     def codes_at(self, stage, piece) -> Int32:
-        return self.codes + (stage * 2 + piece) * (WARPGROUP * 16)
+        return self.codes + stage * self.slot_bytes + piece * 16
 
     def scales_at(self, stage) -> Int32:
-        return self.scales + stage * (WARPGROUP * 4)
+        return self.scales + stage * 512
 
 
-def issue_b_stage(cfg: WgmmaConfig, ring: RawRing, w_row: Int64, sf_row: Int64, kt, stage):
-    """cp.async this thread's weight row for K stage kt: 32 code bytes and the 4-byte scale group of the 128x4
-    layout that holds the stage's blocks (the next group is 512 bytes on). NVFP4: blocks 4kt..4kt+3, the whole
-    group; MXFP4: blocks 2kt, 2kt + 1, half of group kt / 2 (decode_b_stage picks the half)."""
-    src = w_row + Int64(kt) * Int64(cfg.bk // 2)
-    ptx.cp_async_16(ring.codes_at(stage, 0), src)
-    ptx.cp_async_16(ring.codes_at(stage, 1), src + Int64(16))
+def raw_weight_tma(cfg: WgmmaConfig, w: cute.Tensor, experts, rows_per_expert, k_extent):
+    """The launch function's TMA atom and coordinate tensor for the raw weight boxes: one stage of a CTA's weight
+    rows, (1 expert, bn rows, bk / 2 bytes)."""
+    return weight_box_tma(w, experts, rows_per_expert, k_extent, cfg.bn, cfg.bk // 2)
+
+
+@cute.jit
+def issue_b_stage(cfg: cutlass.Constexpr, copied, fill, tma_atom, boxes, slots, sf_tile: Int64, kt, lane):
+    """Warp 0 of the copier starts stage kt's weight copies into slot fill.index: lane 0 announces their bytes on
+    the stage's `copied` barrier (its one extra arrival) and bulk-copies the 512-byte scale atom that holds the
+    stage's blocks (NVFP4: the 4 blocks of the stage; MXFP4: 2 stages share an atom, decode_b_stage picks the
+    half); the box copy elects its own lane, so the whole warp calls it."""
+    bar = copied.producer_get_barrier(fill)
     stages_per_group = 4 * cfg.sf_block // cfg.bk
-    ptx.cp_async_4(ring.scales_at(stage), sf_row + Int64(kt // stages_per_group) * Int64(512))
+    if lane == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, cfg.bn * cfg.bk // 2 + 512)
+        ptx.cp_async_bulk(slots.scales + fill.index * 512, sf_tile + Int64(kt // stages_per_group) * Int64(512), 512,
+                          bar.toint())
+    cute.arch.sync_warp()
+    cute.copy(tma_atom, boxes[None, kt], slots.codes[None, fill.index], tma_bar_ptr=bar)
+
+
+class RawSlots(NamedTuple):
+    """The shared side of the raw copies: the box slots as the TMA partition's destination, and the scale slots."""
+
+    codes: cute.Tensor
+    scales: Int32
 
 
 def decode_b_stage(cfg: WgmmaConfig, ring: RawRing, r2s_atom, tBsB, stage, kt):
@@ -245,22 +272,29 @@ def decode_b_stage(cfg: WgmmaConfig, ring: RawRing, r2s_atom, tBsB, stage, kt):
 
 @cute.jit
 def copy_stages(cfg: cutlass.Constexpr, pipe, copied, sA, raw_codes: Int32, raw_scales: Int32, tid, a_base: Int64,
-                a_row_offset: cutlass.Constexpr, w, w_sf, expert, first_row, rows_per_expert, k_extent, fill):
+                a_row_offset: cutlass.Constexpr, tma_atom, tma_w, w_sf, expert, first_row, rows_per_expert, k_extent,
+                fill):
     """The copier over all K stages of one work item, from ring state `fill` (returned advanced). A row m of the
     tile starts `a_row_offset(m)` bytes past `a_base` (bf16, 16-byte aligned rows); the weight rows are
     [first_row, first_row + 128) of `expert` in the 4-bit `w` of `rows_per_expert` rows and K = k_extent, block
     scales `w_sf` (cfg.sf_block). The copier waits for its last copies once, after its last item."""
     cp_atom, tAsA, tAcA = a_copy_partition(cfg, sA, tid)
     a_src = a_sources(tAcA, a_base, a_row_offset)
-    w_row_index = first_row + tid
-    w_row = w.iterator.toint() + (Int64(expert) * Int64(rows_per_expert) + Int64(w_row_index)) * Int64(k_extent // 2)
-    sf_row = w_sf.iterator.toint() + Int64(swizzled_sf_offset(expert, w_row_index, 0, rows_per_expert,
-                                                              k_extent // cfg.sf_block))
-    ring = RawRing(raw_codes, raw_scales, tid)
+    ring = cute.make_tensor(cute.make_ptr(cutlass.Uint8, raw_codes, cute.AddressSpace.smem, assumed_align=1024),
+                            cute.make_layout((1, cfg.bn, cfg.bk // 2, cfg.stages),
+                                             stride=(0, cfg.bk // 2, 1, cfg.bn * cfg.bk // 2)))
+    boxes = cute.local_tile(tma_w, (1, cfg.bn, cfg.bk // 2), (expert, first_row // cfg.bn, None))
+    slot_part, boxes = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(ring, 0, 3),
+                                             cute.group_modes(boxes, 0, 3))
+    slots = RawSlots(slot_part, raw_scales)
+    sf_tile = w_sf.iterator.toint() + Int64(swizzled_sf_offset(expert, first_row, 0, rows_per_expert,
+                                                               k_extent // cfg.sf_block))
+    warp = cute.arch.make_warp_uniform(tid // 32)
     for kt in cutlass.range(k_extent // cfg.bk, unroll=1):
         pipe.producer_acquire(fill)  # the consumers are done with the stage (so the decoder is done with its slot)
+        if warp == 0:
+            issue_b_stage(cfg, copied, fill, tma_atom, boxes, slots, sf_tile, kt, tid % 32)
         issue_a_stage(cfg, cp_atom, tAsA, a_src, kt, fill.index)
-        issue_b_stage(cfg, ring, w_row, sf_row, kt, fill.index)
         copied.producer_commit(fill)  # cp.async.mbarrier.arrive.noinc: lands with this thread's copies
         fill.advance()
     return fill
@@ -284,7 +318,7 @@ def decode_stages(cfg: cutlass.Constexpr, pipe, copied, sB, raw_codes: Int32, ra
     """The decoder over all K stages of one work item: thread t decodes weight row t of each stage's raw slot into
     sB. Returns the states (landed on `copied`, publish on the pipeline) advanced."""
     r2s_atom, tBsB = b_store_partition(cfg, sB, tid)
-    ring = RawRing(raw_codes, raw_scales, tid)
+    ring = RawRing(cfg, raw_codes, raw_scales, tid)
     for kt in cutlass.range(k_extent // cfg.bk, unroll=1):
         copied.consumer_wait(landed)
         decode_b_stage(cfg, ring, r2s_atom, tBsB, landed.index, kt)
