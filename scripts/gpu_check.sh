@@ -29,7 +29,7 @@ mkdir -p "$OUT"
 # The device returns only a few files: logs go to $LOG and travel packed in $OUT/logs.tgz (repacked after each
 # step, so a run cut short still brings back what it finished); $OUT holds that, summary.txt and the JSON records.
 LOG=$(mktemp -d)
-pack() {  # atomic: grid shards pack side by side
+pack() {  # atomic, so a call cut short mid-pack still brings back the last whole archive
   cp "$OUT/summary.txt" "$LOG/" 2>/dev/null
   tar czf "$LOG.$BASHPID.tgz" -C "$LOG" . 2>/dev/null; mv -f "$LOG.$BASHPID.tgz" "$OUT/logs.tgz"
 }
@@ -56,7 +56,7 @@ step() {  # step NAME TIMEOUT COMMAND...: run, log to $LOG/NAME.log, note rc and
 }
 tests_step() {  # tests_step NAME TIMEOUT PYTEST-ARGS...: a pytest step, its failures copied into the summary
   local name=$1 limit=$2; shift 2
-  step "$name" "$limit" python3 -m pytest -q -p no:cacheprovider ${PYTEST_WORKERS:+-n $PYTEST_WORKERS} "$@"
+  step "$name" "$limit" python3 -m pytest -q -p no:cacheprovider "$@"
   grep -E "^(FAILED|ERROR)" "$LOG/$name.log" | head -20 | tee -a "$OUT/summary.txt"
 }
 for PART in $PARTS; do
@@ -105,15 +105,14 @@ elif [ "$PART" = variants ]; then  # VARIANT_ARGS: one stream_variants.py argume
   done <<< "$VARIANT_ARGS"
 elif [ "$PART" = memcheck ]; then
   step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/memcheck_smoke.py
-elif [ "$PART" = grid ]; then  # GRID_SHARD: one or more K/N, space-separated, run side by side on the one GPU
-  # (the cases are mostly host time); GRID_SECONDS bounds each; one JSON each, packed with the logs
+elif [ "$PART" = grid ]; then  # GRID_SHARD: one or more K/N, space-separated; GRID_SECONDS bounds each; one JSON each
   for shard in ${GRID_SHARD:-0/1}; do
     name=grid_${shard%/*}of${shard#*/}
     step "$name" $(( ${GRID_SECONDS:-500} + 40 )) python3 scripts/correctness_grid.py --shard "$shard" \
-      --max-seconds "${GRID_SECONDS:-500}" --out "$LOG/$name.json" &
+      --max-seconds "${GRID_SECONDS:-500}" --out "$OUT/$name.json"
+    grep FAILED "$LOG/$name.log" | head -20 >> "$OUT/summary.txt"
+    rm -f "$LOG/$name.log"
   done
-  wait
-  grep -h FAILED "$LOG"/grid_*.log | head -20 >> "$OUT/summary.txt"
 elif [ "$PART" = prefill ]; then  # per-kernel times where the wgmma GEMMs run (the default tactic at T=4096)
   step profile_prefill 200 python3 benchmarks/profile_kernels.py \
     --points $PREFILL_T4096

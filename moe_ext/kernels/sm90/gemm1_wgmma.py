@@ -3,9 +3,9 @@ bf16 token rows and 4-bit weights, then alpha (x per-token scale) -> activation 
 
 Same arguments as gemm1.py's kernel (the launcher picks either by name; this one ignores `x_q`, `x_sf`, `out_q`,
 `out_sf` and `k_split`, which must be 1). The activations always arrive as bf16 `x_bf16`: for w4a4 / w4a8 the
-routing kernel decoded them exactly (routing.py). Grid (max tiles, N1 / 128): CTA (m, n) takes routing tile m
-(128 permuted rows of one local expert; tiles past the device-side live count exit at once, so the grid depends
-only on T) and weight rows [128n, 128n + 128) of this launch's N1 rows. Token rows are gathered through
+routing kernel decoded them exactly (routing.py). Work items (m, n), live tiles x N1 / 128 of them, spread over
+the persistent CTAs (a fixed grid; the device-side live count sets the items): item (m, n) takes routing tile m
+(128 permuted rows of one local expert) and weight rows [128n, 128n + 128) of this launch's N1 rows. Token rows are gathered through
 permuted_to_expanded (token = expanded // top_k); rows at or past the tile's limit read the last valid row and are
 not stored. With the 64-row up/gate interleave a 128-row weight tile gives intermediate columns
 [col_offset + 64n, col_offset + 64n + 64) (up in accumulator columns 0..63, gate in 64..127); Relu2 gives 128.
@@ -48,7 +48,7 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
 
     @cute.kernel
     def gemm1_wgmma_kernel(x_bf16: cute.Tensor, x_q: cute.Tensor, x_sf: cute.Tensor, per_token_scale: cute.Tensor,
-                           w1: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor,
+                           w1_tma_atom: cute.CopyAtom, w1_tma: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor,
                            permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor,
                            tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor, out_bf16: cute.Tensor,
                            out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor, hidden: Int32,
@@ -56,33 +56,47 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
                            p2: Float32, p3: Float32, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
                            sB_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
-        tile, n_tile, _ = cute.arch.block_idx()
+        cta, _, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // mainloop.WARPGROUP)
         cute.arch.griddepcontrol_wait()
-        if tile < num_live_tiles[0]:
-            expert = tile_to_expert[tile]
-            limit = tile_to_mn_limit[tile]
-            row0 = tile * cfg.bm
-            sA, sB, s_c, raw_codes, raw_scales, copied, pipe = mainloop.allocate(cfg, sA_layout, sB_layout)
-            if wg == mainloop.COPIER:
-                cute.arch.setmaxregister_decrease(cfg.copier_regs)
+        live = num_live_tiles[0]
+        items = live * (n1 // cfg.bn)
+        sA, sB, s_c, raw_codes, raw_scales, copied, pipe = mainloop.allocate(cfg, sA_layout, sB_layout)
+        if wg == mainloop.COPIER:
+            cute.arch.setmaxregister_decrease(cfg.copier_regs)
+            fill, _ = mainloop.ring_states(cfg)
+            for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
+                item = mainloop.WorkItem(cfg, w, live, tile_to_expert, tile_to_mn_limit)
 
                 def token_row_offset(m):
-                    token = permuted_to_expanded[cute.math.min(row0 + m, limit - 1)] // top_k
+                    token = permuted_to_expanded[cute.math.min(item.row0 + m, item.limit - 1)] // top_k
                     return Int64(token) * Int64(hidden) * Int64(2)
 
-                mainloop.copy_stages(cfg, pipe, copied, sA, raw_codes, raw_scales, tidx, x_bf16.iterator.toint(),
-                                     token_row_offset, w1, w1_sf, expert, n_tile * cfg.bn, n1, hidden)
-            elif wg == mainloop.DECODER:
-                cute.arch.setmaxregister_decrease(cfg.decoder_regs)
-                mainloop.decode_stages(cfg, pipe, copied, sB, raw_codes, raw_scales, tidx - mainloop.WARPGROUP, hidden)
-            else:
-                cute.arch.setmaxregister_increase(cfg.consumer_regs)
-                ctid = tidx - mainloop.FIRST_CONSUMER * mainloop.WARPGROUP
-                mainloop.consume(cfg, pipe, sA, sB, s_c, tiled_mma, wg, ctid, hidden)
+                fill = mainloop.copy_stages(cfg, pipe, copied, sA, raw_codes, raw_scales, tidx,
+                                            x_bf16.iterator.toint(), token_row_offset, w1_tma_atom, w1_tma, w1_sf,
+                                            item.expert,
+                                            item.n_tile * cfg.bn, n1, hidden, fill)
+            mainloop.drain_copies()
+        elif wg == mainloop.DECODER:
+            cute.arch.setmaxregister_decrease(cfg.decoder_regs)
+            publish, landed = mainloop.ring_states(cfg)
+            for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
+                landed, publish = mainloop.decode_stages(cfg, pipe, copied, sB, raw_codes, raw_scales,
+                                                         tidx - mainloop.WARPGROUP, hidden, landed, publish)
+        else:
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            ctid = tidx - mainloop.FIRST_CONSUMER * mainloop.WARPGROUP
+            _, read = mainloop.ring_states(cfg)
+            _, release = mainloop.ring_states(cfg)
+            for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
+                item = mainloop.WorkItem(cfg, w, live, tile_to_expert, tile_to_mn_limit)
+                read, release = mainloop.consume(cfg, pipe, sA, sB, s_c, tiled_mma, wg, ctid, hidden, read,
+                                                 release)
+                expert = item.expert
+                n_tile = item.n_tile
                 r, half = mainloop.epilogue_thread(ctid)
-                row = row0 + r
-                if row < limit:
+                row = item.row0 + r
+                if row < item.limit:
                     s1 = w1_alpha[expert]
                     if cutlass.const_expr(mode == "w4a4_pt"):
                         s1 = s1 * per_token_scale[permuted_to_expanded[row] // top_k]
@@ -123,11 +137,13 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
         tiled_mma = mainloop.make_tiled_mma(cfg)
         sA_layout, sB_layout = mainloop.smem_layouts(cfg)
         storage = mainloop.make_storage(cfg, sA_layout, sB_layout)
-        gemm1_wgmma_kernel(x_bf16, x_q, x_sf, per_token_scale, w1, w1_sf, w1_alpha, permuted_to_expanded,
+        w1_tma_atom, w1_tma = mainloop.raw_weight_tma(cfg, w1, cute.size(w1_alpha), n1, hidden)
+        gemm1_wgmma_kernel(x_bf16, x_q, x_sf, per_token_scale, w1_tma_atom, w1_tma, w1_sf, w1_alpha,
+                           permuted_to_expanded,
                            tile_to_expert, tile_to_mn_limit, num_live_tiles, out_bf16, out_q, out_sf,
                            fc2_input_scale, hidden, n1, inter, col_offset, top_k, p0, p1, p2, p3, tiled_mma,
                            sA_layout, sB_layout).launch(
-            grid=(cute.size(tile_to_expert), n1 // cfg.bn, 1), block=(cfg.threads, 1, 1),
+            grid=(cfg.ctas, 1, 1), block=(cfg.threads, 1, 1),
             smem=storage.size_in_bytes(), stream=stream, use_pdl=pdl)
 
     return launch

@@ -6,9 +6,10 @@ Same arguments as gemm2.py's kernel (the launcher picks either by name; this one
 per-token kernel) stored its quantization decoded again. Modes: w4a16 (NVFP4 weights; w4a4 runs it too, its FC2
 input arriving decoded), w4a4_pt (also times the per-row FC2 scale `row_scale`), w4a8 (MXFP4 weights).
 
-Grid (max tiles, N / 128): CTA (m, n) takes routing tile m (128 permuted rows of one local expert, read in place:
-the FC2 input is already in permuted order) and weight rows [128n, 128n + 128) of this launch's N (= `hidden`: H,
-or H / 2 for a localized shard), whose output columns start at `col_offset` of rows `out_pitch` wide. Each valid
+Work items (m, n) over the persistent CTAs, as in gemm1_wgmma.py: item (m, n) takes routing tile m (128 permuted
+rows of one local expert, read in place: the FC2 input is already in permuted order) and weight rows
+[128n, 128n + 128) of this launch's N (= `hidden`: H, or H / 2 for a localized shard), whose output columns start
+at `col_offset` of rows `out_pitch` wide. Each valid
 row p (expanded slot s = t*K + k) gives y = bf16(scale * acc), with scale formed as gemm2.py forms it (pts2:
 w4a4_pt's row_scale[p], else 1):
   fused          scale = w2_alpha[e] * (token_final_scales[s] * pts2); y is added (bf16x2 reduce-add) into out[t]
@@ -36,39 +37,53 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
 
     @cute.kernel
     def gemm2_wgmma_kernel(a_bf16: cute.Tensor, a_q: cute.Tensor, a_sf: cute.Tensor, row_scale: cute.Tensor,
-                           w2: cute.Tensor, w2_sf: cute.Tensor, w2_alpha: cute.Tensor,
+                           w2_tma_atom: cute.CopyAtom, w2_tma: cute.Tensor, w2_sf: cute.Tensor, w2_alpha: cute.Tensor,
                            token_final_scales: cute.Tensor, permuted_to_expanded: cute.Tensor,
                            tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
                            out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32, col_offset: Int32,
                            top_k: Int32, fused: cutlass.Boolean, tiled_mma: cute.TiledMma,
                            sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
-        tile, n_tile, _ = cute.arch.block_idx()
+        cta, _, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // mainloop.WARPGROUP)
         cute.arch.griddepcontrol_wait()
-        if tile < num_live_tiles[0]:
-            expert = tile_to_expert[tile]
-            limit = tile_to_mn_limit[tile]
-            row0 = tile * cfg.bm
-            sA, sB, s_c, raw_codes, raw_scales, copied, pipe = mainloop.allocate(cfg, sA_layout, sB_layout)
-            if wg == mainloop.COPIER:
-                cute.arch.setmaxregister_decrease(cfg.copier_regs)
+        live = num_live_tiles[0]
+        items = live * (hidden // cfg.bn)
+        sA, sB, s_c, raw_codes, raw_scales, copied, pipe = mainloop.allocate(cfg, sA_layout, sB_layout)
+        if wg == mainloop.COPIER:
+            cute.arch.setmaxregister_decrease(cfg.copier_regs)
+            fill, _ = mainloop.ring_states(cfg)
+            for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
+                item = mainloop.WorkItem(cfg, w, live, tile_to_expert, tile_to_mn_limit)
 
                 def permuted_row_offset(m):
-                    return Int64(cute.math.min(row0 + m, limit - 1)) * Int64(inter) * Int64(2)
+                    return Int64(cute.math.min(item.row0 + m, item.limit - 1)) * Int64(inter) * Int64(2)
 
-                mainloop.copy_stages(cfg, pipe, copied, sA, raw_codes, raw_scales, tidx, a_bf16.iterator.toint(),
-                                     permuted_row_offset, w2, w2_sf, expert, n_tile * cfg.bn, hidden, inter)
-            elif wg == mainloop.DECODER:
-                cute.arch.setmaxregister_decrease(cfg.decoder_regs)
-                mainloop.decode_stages(cfg, pipe, copied, sB, raw_codes, raw_scales, tidx - mainloop.WARPGROUP, inter)
-            else:
-                cute.arch.setmaxregister_increase(cfg.consumer_regs)
-                ctid = tidx - mainloop.FIRST_CONSUMER * mainloop.WARPGROUP
-                mainloop.consume(cfg, pipe, sA, sB, s_c, tiled_mma, wg, ctid, inter)
+                fill = mainloop.copy_stages(cfg, pipe, copied, sA, raw_codes, raw_scales, tidx,
+                                            a_bf16.iterator.toint(), permuted_row_offset, w2_tma_atom, w2_tma, w2_sf,
+                                            item.expert,
+                                            item.n_tile * cfg.bn, hidden, inter, fill)
+            mainloop.drain_copies()
+        elif wg == mainloop.DECODER:
+            cute.arch.setmaxregister_decrease(cfg.decoder_regs)
+            publish, landed = mainloop.ring_states(cfg)
+            for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
+                landed, publish = mainloop.decode_stages(cfg, pipe, copied, sB, raw_codes, raw_scales,
+                                                         tidx - mainloop.WARPGROUP, inter, landed, publish)
+        else:
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            ctid = tidx - mainloop.FIRST_CONSUMER * mainloop.WARPGROUP
+            _, read = mainloop.ring_states(cfg)
+            _, release = mainloop.ring_states(cfg)
+            for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
+                item = mainloop.WorkItem(cfg, w, live, tile_to_expert, tile_to_mn_limit)
+                read, release = mainloop.consume(cfg, pipe, sA, sB, s_c, tiled_mma, wg, ctid, inter, read,
+                                                 release)
+                expert = item.expert
+                n_tile = item.n_tile
                 r, half = mainloop.epilogue_thread(ctid)
-                row = row0 + r
-                if row < limit:
+                row = item.row0 + r
+                if row < item.limit:
                     out_row, scale = gemm2.output_row_and_scale(mode == "w4a4_pt", fused, permuted_to_expanded[row],
                                                                 row, expert, top_k, w2_alpha, token_final_scales,
                                                                 row_scale)
@@ -97,10 +112,11 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
         tiled_mma = mainloop.make_tiled_mma(cfg)
         sA_layout, sB_layout = mainloop.smem_layouts(cfg)
         storage = mainloop.make_storage(cfg, sA_layout, sB_layout)
-        gemm2_wgmma_kernel(a_bf16, a_q, a_sf, row_scale, w2, w2_sf, w2_alpha, token_final_scales,
+        w2_tma_atom, w2_tma = mainloop.raw_weight_tma(cfg, w2, cute.size(w2_alpha), hidden, inter)
+        gemm2_wgmma_kernel(a_bf16, a_q, a_sf, row_scale, w2_tma_atom, w2_tma, w2_sf, w2_alpha, token_final_scales,
                            permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out, hidden,
                            inter, out_pitch, col_offset, top_k, fused, tiled_mma, sA_layout, sB_layout).launch(
-            grid=(cute.size(tile_to_expert), hidden // cfg.bn, 1), block=(cfg.threads, 1, 1),
+            grid=(cfg.ctas, 1, 1), block=(cfg.threads, 1, 1),
             smem=storage.size_in_bytes(), stream=stream, use_pdl=pdl)
 
     return launch

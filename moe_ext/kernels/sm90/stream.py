@@ -268,15 +268,21 @@ def sf_step_bytes(block: int) -> int:
 
 
 def weight_tma(w: cute.Tensor, experts, rows_per_expert, k_extent, c: StreamConfig):
-    """(TMA atom, coordinate tensor) loading boxes of (1 expert, c.rows rows, 64 bytes = one 128-K step) of the
-    4-bit weight `w` (flat bytes, [experts, rows_per_expert, k_extent / 2]). Call in the launch function: the
-    exported host code packs the descriptor from these runtime extents at each launch. The expert stride is 64-bit
-    (DeepSeek-V3's W1 is 3.8e9 bytes); the launcher checks the 16-byte alignment the descriptor needs."""
+    """weight_box_tma with boxes of c.rows rows x 64 bytes (one 128-K step)."""
+    return weight_box_tma(w, experts, rows_per_expert, k_extent, c.rows, 64)
+
+
+def weight_box_tma(w: cute.Tensor, experts, rows_per_expert, k_extent, rows: int, box_bytes: int):
+    """(TMA atom, coordinate tensor) loading boxes of (1 expert, `rows` rows, `box_bytes` bytes) of the 4-bit
+    weight `w` (flat bytes, [experts, rows_per_expert, k_extent / 2]) into a slot with `box_bytes` between rows.
+    Call in the launch function: the exported host code packs the descriptor from these runtime extents at each
+    launch. The expert stride is 64-bit (DeepSeek-V3's W1 is 3.8e9 bytes); the launcher checks the 16-byte
+    alignment the descriptor needs."""
     k_bytes = k_extent // 2
     view = cute.make_tensor(w.iterator, cute.make_layout(
         (experts, rows_per_expert, k_bytes), stride=(Int64(rows_per_expert) * Int64(k_bytes), k_bytes, 1)))
-    box = cute.make_layout((1, c.rows, 64), stride=(c.rows * 64, 64, 1))
-    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, box, (1, c.rows, 64))
+    box = cute.make_layout((1, rows, box_bytes), stride=(rows * box_bytes, box_bytes, 1))
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, box, (1, rows, box_bytes))
 
 
 def tile_address(sm: Smem, row, chunk) -> Int32:

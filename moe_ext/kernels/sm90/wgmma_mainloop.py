@@ -2,13 +2,17 @@
 per K stage into shared memory, bf16 wgmma with fp32 accumulators.
 
 CTA tile: 128 routed rows (A, the wgmma M side: one routing tile of one local expert) x 128 weight rows (B, the N
-side) x all of K in stages of 64 (one 128-byte swizzle row of bf16), `stages` deep. 512 threads, four roles:
+side) x all of K in stages of 64 (one 128-byte swizzle row of bf16), `stages` deep. Persistent: `ctas` CTAs (one
+per SM) loop over the work items (routing tile, column tile); each role carries its ring states from one item to
+the next, so the copier and decoder fill the next item's stages while the consumers run this item's epilogue out
+of their own s_c. 512 threads, four roles:
 
   warpgroup 0, copier (setmaxnreg down)
-    A: 16-byte cp.async of the rows `a_row_offset(m)` names (the kernel's gather) into the swizzled sA stage.
-    B: cp.async of its weight row's 32 code bytes and the 4-byte scale group of the 128x4 layout into the raw
-       slot of the same stage. Then cp.async.mbarrier.arrive.noinc on the stage's `copied` barrier: the arrival
-       lands when the copies have, so the copier never waits for its own copies and runs up to `stages` ahead.
+    A: 16-byte cp.async of the rows `a_row_offset(m)` names (the kernel's gather) into the swizzled sA stage,
+       then cp.async.mbarrier.arrive.noinc on the stage's `copied` barrier (the arrival lands with the copies).
+    B: warp 0 copies the stage's raw weights as one TMA box (128 rows x 32 code bytes) and the 512-byte scale
+       atom of the 128x4 layout that holds its blocks as one bulk copy, both completing on the same barrier
+       (its one expect_tx arrival). The copier never waits for its own copies and runs up to `stages` ahead.
   warpgroup 1, decoder (setmaxnreg down)
     waits for `copied`, decodes its row of the raw slot (e2m1 -> bf16, times the bf16 block scale: exact, <= 6
     significant bits), st.shared 16-byte chunks into the swizzled sB stage, fence.proxy.async (the wgmma reads
@@ -18,13 +22,16 @@ side) x all of K in stages of 64 (one 128-byte swizzle row of bf16), `stages` de
     wgmma m64n128k16 SS, 64 rows each; acc -> fp32 tile s_c[row][weight col] in shared memory for the epilogue.
 
 The A copies need no proxy fence: CUTLASS's cp.async wgmma mainloops signal them with the same mbarrier arrival.
-Against the earlier single producer warpgroup (copies two stages ahead, then wait_group, decode and a proxy fence
-issued behind its next copies; 4 stages and an s_c of its own), this split ran GEMM1 1.06-1.18x and GEMM2
-1.01-1.08x faster at T = 4096 on five shapes; the 6-stage ring alone changed nothing
-(benchmarks/results/h200_session10_checks.md).
+Measured at T = 4096 on five shapes (benchmarks/results/h200_session10_checks.md, h200_session11_checks.md): the
+copier/decoder split ran GEMM1 1.06-1.18x and GEMM2 1.01-1.08x faster than one producer warpgroup; this
+persistent, TMA-fed form another 1.06-1.17x (GEMM1) and 1.04-1.23x (GEMM2) over the split's one CTA per tile with
+per-thread cp.async weight rows. Two decoder warpgroups did not pay (GEMM1 1.07-1.11x, GEMM2 0.97-1.00x; with
+persistence, less than persistence and TMA alone). The ring is 4 stages (214 KB with s_c). ptxas keeps a few
+values that cross the setmaxnreg branches in local memory (bytes of stack, loaded once per work item).
 """
 # (no `from __future__ import annotations`: cute.struct reads its annotations as live objects)
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -34,8 +41,11 @@ from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.tensor_utils import LayoutEnum
 
+from cutlass.cute.nvgpu import cpasync
+
 from . import ptx
 from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
+from .stream import weight_box_tma
 
 WARPGROUP = 128
 COPIER, DECODER, FIRST_CONSUMER = 0, 1, 2  # warpgroups
@@ -47,7 +57,10 @@ class WgmmaConfig:
     bm: int = 128  # routed rows per CTA (= the routing tile)
     bn: int = 128  # weight rows per CTA
     bk: int = 64  # K per stage: 128 bytes of bf16 = one 128B-swizzle row
-    stages: int = 6  # sA + sB + raw ring depth (36.5 KB a stage); s_c reuses sA after the mainloop
+    stages: int = 4  # sA + sB + raw ring depth (36.5 KB a stage; 6 measured no faster in session 10)
+    # Persistent CTAs, work items ctas apart. 132 = the SMs of an H100 SXM / H200 (one 214 KB CTA each); on a GPU
+    # with fewer SMs the extra CTAs wait for a free SM.
+    ctas: int = 132
     # fp32 padding of an s_c row (pitch 132 = 4 mod 32): the epilogue's 16-byte row reads by 8 consecutive rows
     # cover all 32 banks; the accumulator's 8-byte stores pay a 2-way conflict once per tile.
     pad: int = 4
@@ -69,7 +82,6 @@ class WgmmaConfig:
         assert self.bm == 128 and self.bn == 128, "the thread mappings assume a 128 x 128 tile"
         assert self.bk == 64, "one stage must be one 4-block group of the 128x4 scale layout"
         assert self.stages >= 3, "the consumers hold up to two stages (wgmma wait_group(1))"
-        assert self.stages * self.bm * self.bk * 2 >= self.bm * self.pitch * 4, "s_c must fit in the sA ring"
         assert self.sf_block in (16, 32), "NVFP4 (16) or MXFP4 (32) weights"
         regs = WARPGROUP * (self.copier_regs + self.decoder_regs) + CONSUMERS * self.consumer_regs
         assert regs <= 65536, "register file"
@@ -96,12 +108,13 @@ def make_storage(cfg: WgmmaConfig, sA_layout, sB_layout):
     class Storage:
         copied_mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]  # copied[stages] (+ unused empties)
         mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]  # full[stages], empty[stages]
-        # Raw weight slot of each stage: [stage][piece][row] 16 B (conflict-free 16-byte accesses by consecutive
-        # rows) and [stage][row] 4 scale bytes.
-        raw_codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * 2 * WARPGROUP * 16], 16]
-        raw_scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * WARPGROUP * 4], 16]
+        # Raw weight slot of each stage as the TMA box lands: [stage][row] 32 code bytes, and the stage's 512-byte
+        # scale atom of the 128x4 layout (bulk copy).
+        raw_codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * cfg.bn * cfg.bk // 2], 1024]
+        raw_scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * 512], 16]
         sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sA_layout)], 1024]
         sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sB_layout)], 1024]
+        sC: cute.struct.Align[cute.struct.MemRange[Float32, cfg.bm * cfg.pitch], 16]
 
     return Storage
 
@@ -113,20 +126,34 @@ def allocate(cfg: WgmmaConfig, sA_layout, sB_layout):
     arrivals per stage (its empty side is unused: the copier waits for the consumers' release of the stage);
     `pipeline`'s full barriers count the 128 decoder threads, its empty ones the 256 consumer threads.
     sA (bm, bk, stages) and sB (bn, bk, stages) carry their swizzle in the pointer; s_c is fp32 (bm, bn) with row
-    pitch cfg.pitch, the accumulator tile for the epilogue, over sA's memory: the ring is idle once both consumers
-    are past their last wgmma (consume's barrier), and the ring's depth is worth more than a tile of its own."""
+    pitch cfg.pitch, the accumulator tile for the epilogue (its own memory: the ring already holds the next work
+    item's stages while the epilogue reads it)."""
     st = cutlass.memory.SmemAllocator().allocate(make_storage(cfg, sA_layout, sB_layout))
     warpgroup = pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPGROUP)
+    # 128 cp.async arrivals (A) + the arrival that announces the TMA bytes (raw weights and scales)
     copied = pipeline.PipelineCpAsync.create(barrier_storage=st.copied_mbar.data_ptr(), num_stages=cfg.stages,
-                                             producer_group=warpgroup, consumer_group=warpgroup, defer_sync=True)
+                                             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                                                      WARPGROUP + 1),
+                                             consumer_group=warpgroup, defer_sync=True)
     pipe = pipeline.PipelineAsync.create(
         barrier_storage=st.mbar.data_ptr(), num_stages=cfg.stages, producer_group=warpgroup,
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMERS))
     return (st.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner),
             st.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner),
-            cute.make_tensor(cute.recast_ptr(st.sA.data_ptr(), dtype=Float32),
-                             cute.make_layout((cfg.bm, cfg.bn), stride=(cfg.pitch, 1))),
+            st.sC.get_tensor(cute.make_layout((cfg.bm, cfg.bn), stride=(cfg.pitch, 1))),
             st.raw_codes.data_ptr().toint(), st.raw_scales.data_ptr().toint(), copied, pipe)
+
+
+class WorkItem:
+    """Work item w of a persistent CTA: routing tile w % live (consecutive CTAs share a column tile of weights,
+    as the grid order of the non-persistent kernels did) and column tile w // live."""
+
+    def __init__(self, cfg: WgmmaConfig, w, live, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor):
+        tile = w % live
+        self.n_tile = w // live
+        self.expert = tile_to_expert[tile]
+        self.limit = tile_to_mn_limit[tile]
+        self.row0 = tile * cfg.bm
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -171,29 +198,49 @@ def issue_a_stage(cfg: WgmmaConfig, cp_atom, tAsA, a_src: cute.Tensor, kt, stage
 
 
 class RawRing:
-    """Weight row `row`'s share of the raw slots (written by the copier thread of that row, read by its decoder
-    thread once the stage's `copied` barrier completes)."""
+    """Weight row `row`'s view of the raw slots: its 32 code bytes of a stage (the TMA box's row, read as two
+    16-byte pieces: 2-way bank conflicts on 2 loads a stage) and its 4-byte scale group in the stage's 512-byte
+    atom of the 128x4 layout (row r at (r % 32) * 16 + (r // 32) * 4)."""
 
-    def __init__(self, codes_base: Int32, scales_base: Int32, row):
-        self.codes = codes_base + row * 16
-        self.scales = scales_base + row * 4
+    def __init__(self, cfg: WgmmaConfig, codes_base: Int32, scales_base: Int32, row):
+        self.slot_bytes = cfg.bn * cfg.bk // 2
+        self.codes = codes_base + row * (cfg.bk // 2)
+        self.scales = scales_base + (row % 32) * 16 + (row // 32) * 4
 
     def codes_at(self, stage, piece) -> Int32:
-        return self.codes + (stage * 2 + piece) * (WARPGROUP * 16)
+        return self.codes + stage * self.slot_bytes + piece * 16
 
     def scales_at(self, stage) -> Int32:
-        return self.scales + stage * (WARPGROUP * 4)
+        return self.scales + stage * 512
 
 
-def issue_b_stage(cfg: WgmmaConfig, ring: RawRing, w_row: Int64, sf_row: Int64, kt, stage):
-    """cp.async this thread's weight row for K stage kt: 32 code bytes and the 4-byte scale group of the 128x4
-    layout that holds the stage's blocks (the next group is 512 bytes on). NVFP4: blocks 4kt..4kt+3, the whole
-    group; MXFP4: blocks 2kt, 2kt + 1, half of group kt / 2 (decode_b_stage picks the half)."""
-    src = w_row + Int64(kt) * Int64(cfg.bk // 2)
-    ptx.cp_async_16(ring.codes_at(stage, 0), src)
-    ptx.cp_async_16(ring.codes_at(stage, 1), src + Int64(16))
+def raw_weight_tma(cfg: WgmmaConfig, w: cute.Tensor, experts, rows_per_expert, k_extent):
+    """The launch function's TMA atom and coordinate tensor for the raw weight boxes: one stage of a CTA's weight
+    rows, (1 expert, bn rows, bk / 2 bytes)."""
+    return weight_box_tma(w, experts, rows_per_expert, k_extent, cfg.bn, cfg.bk // 2)
+
+
+@cute.jit
+def issue_b_stage(cfg: cutlass.Constexpr, copied, fill, tma_atom, boxes, slots, sf_tile: Int64, kt, lane):
+    """Warp 0 of the copier starts stage kt's weight copies into slot fill.index: lane 0 announces their bytes on
+    the stage's `copied` barrier (its one extra arrival) and bulk-copies the 512-byte scale atom that holds the
+    stage's blocks (NVFP4: the 4 blocks of the stage; MXFP4: 2 stages share an atom, decode_b_stage picks the
+    half); the box copy elects its own lane, so the whole warp calls it."""
+    bar = copied.producer_get_barrier(fill)
     stages_per_group = 4 * cfg.sf_block // cfg.bk
-    ptx.cp_async_4(ring.scales_at(stage), sf_row + Int64(kt // stages_per_group) * Int64(512))
+    if lane == 0:
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, cfg.bn * cfg.bk // 2 + 512)
+        ptx.cp_async_bulk(slots.scales + fill.index * 512, sf_tile + Int64(kt // stages_per_group) * Int64(512), 512,
+                          bar.toint())
+    cute.arch.sync_warp()
+    cute.copy(tma_atom, boxes[None, kt], slots.codes[None, fill.index], tma_bar_ptr=bar)
+
+
+class RawSlots(NamedTuple):
+    """The shared side of the raw copies: the box slots as the TMA partition's destination, and the scale slots."""
+
+    codes: cute.Tensor
+    scales: Int32
 
 
 def decode_b_stage(cfg: WgmmaConfig, ring: RawRing, r2s_atom, tBsB, stage, kt):
@@ -225,35 +272,53 @@ def decode_b_stage(cfg: WgmmaConfig, ring: RawRing, r2s_atom, tBsB, stage, kt):
 
 @cute.jit
 def copy_stages(cfg: cutlass.Constexpr, pipe, copied, sA, raw_codes: Int32, raw_scales: Int32, tid, a_base: Int64,
-                a_row_offset: cutlass.Constexpr, w, w_sf, expert, first_row, rows_per_expert, k_extent):
-    """The copier over all K stages. A row m of the tile starts `a_row_offset(m)` bytes past `a_base` (bf16,
-    16-byte aligned rows); the weight rows are [first_row, first_row + 128) of `expert` in the 4-bit `w` of
-    `rows_per_expert` rows and K = k_extent, block scales `w_sf` (cfg.sf_block)."""
+                a_row_offset: cutlass.Constexpr, tma_atom, tma_w, w_sf, expert, first_row, rows_per_expert, k_extent,
+                fill):
+    """The copier over all K stages of one work item, from ring state `fill` (returned advanced). A row m of the
+    tile starts `a_row_offset(m)` bytes past `a_base` (bf16, 16-byte aligned rows); the weight rows are
+    [first_row, first_row + 128) of `expert` in the 4-bit `w` of `rows_per_expert` rows and K = k_extent, block
+    scales `w_sf` (cfg.sf_block). The copier waits for its last copies once, after its last item."""
     cp_atom, tAsA, tAcA = a_copy_partition(cfg, sA, tid)
     a_src = a_sources(tAcA, a_base, a_row_offset)
-    w_row_index = first_row + tid
-    w_row = w.iterator.toint() + (Int64(expert) * Int64(rows_per_expert) + Int64(w_row_index)) * Int64(k_extent // 2)
-    sf_row = w_sf.iterator.toint() + Int64(swizzled_sf_offset(expert, w_row_index, 0, rows_per_expert,
-                                                              k_extent // cfg.sf_block))
-    ring = RawRing(raw_codes, raw_scales, tid)
-    fill = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+    ring = cute.make_tensor(cute.make_ptr(cutlass.Uint8, raw_codes, cute.AddressSpace.smem, assumed_align=1024),
+                            cute.make_layout((1, cfg.bn, cfg.bk // 2, cfg.stages),
+                                             stride=(0, cfg.bk // 2, 1, cfg.bn * cfg.bk // 2)))
+    boxes = cute.local_tile(tma_w, (1, cfg.bn, cfg.bk // 2), (expert, first_row // cfg.bn, None))
+    slot_part, boxes = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(ring, 0, 3),
+                                             cute.group_modes(boxes, 0, 3))
+    slots = RawSlots(slot_part, raw_scales)
+    sf_tile = w_sf.iterator.toint() + Int64(swizzled_sf_offset(expert, first_row, 0, rows_per_expert,
+                                                               k_extent // cfg.sf_block))
+    warp = cute.arch.make_warp_uniform(tid // 32)
     for kt in cutlass.range(k_extent // cfg.bk, unroll=1):
         pipe.producer_acquire(fill)  # the consumers are done with the stage (so the decoder is done with its slot)
+        if warp == 0:
+            issue_b_stage(cfg, copied, fill, tma_atom, boxes, slots, sf_tile, kt, tid % 32)
         issue_a_stage(cfg, cp_atom, tAsA, a_src, kt, fill.index)
-        issue_b_stage(cfg, ring, w_row, sf_row, kt, fill.index)
         copied.producer_commit(fill)  # cp.async.mbarrier.arrive.noinc: lands with this thread's copies
         fill.advance()
+    return fill
+
+
+def ring_states(cfg: WgmmaConfig):
+    """Fresh (producer, consumer) states of a ring, for a role's first work item."""
+    return (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages),
+            pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages))
+
+
+def drain_copies():
+    """The copier's last act: don't exit with copies in flight."""
     cute.arch.cp_async_commit_group()
-    cute.arch.cp_async_wait_group(0)  # don't exit with copies in flight
+    cute.arch.cp_async_wait_group(0)
 
 
 @cute.jit
-def decode_stages(cfg: cutlass.Constexpr, pipe, copied, sB, raw_codes: Int32, raw_scales: Int32, tid, k_extent):
-    """The decoder over all K stages: thread t decodes weight row t of each stage's raw slot into sB."""
+def decode_stages(cfg: cutlass.Constexpr, pipe, copied, sB, raw_codes: Int32, raw_scales: Int32, tid, k_extent,
+                  landed, publish):
+    """The decoder over all K stages of one work item: thread t decodes weight row t of each stage's raw slot into
+    sB. Returns the states (landed on `copied`, publish on the pipeline) advanced."""
     r2s_atom, tBsB = b_store_partition(cfg, sB, tid)
-    ring = RawRing(raw_codes, raw_scales, tid)
-    landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-    publish = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+    ring = RawRing(cfg, raw_codes, raw_scales, tid)
     for kt in cutlass.range(k_extent // cfg.bk, unroll=1):
         copied.consumer_wait(landed)
         decode_b_stage(cfg, ring, r2s_atom, tBsB, landed.index, kt)
@@ -261,15 +326,16 @@ def decode_stages(cfg: cutlass.Constexpr, pipe, copied, sB, raw_codes: Int32, ra
         pipe.producer_commit(publish)
         landed.advance()
         publish.advance()
+    return landed, publish
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Consumers (warpgroups 2 and 3)
 # ----------------------------------------------------------------------------------------------------------------
 @cute.jit
-def consume(cfg: cutlass.Constexpr, pipe, sA, sB, s_c, tiled_mma: cute.TiledMma, wg, ctid, k_extent):
-    """acc (64 rows x 128 weight rows per warpgroup) = sA . sB^T over all K stages, then staged into s_c and
-    synchronised across both consumer warpgroups."""
+def consume(cfg: cutlass.Constexpr, pipe, sA, sB, s_c, tiled_mma: cute.TiledMma, wg, ctid, k_extent, read, release):
+    """acc (64 rows x 128 weight rows per warpgroup) = sA . sB^T over all K stages of one work item, then staged
+    into s_c and synchronised across both consumer warpgroups. Returns the ring states advanced."""
     thr_wg = tiled_mma.get_slice((wg - FIRST_CONSUMER) * WARPGROUP)
     tCrA = tiled_mma.make_fragment_A(thr_wg.partition_A(sA))  # smem descriptors (MMA, M, K, stages)
     tCrB = tiled_mma.make_fragment_B(thr_wg.partition_B(sB))
@@ -277,8 +343,6 @@ def consume(cfg: cutlass.Constexpr, pipe, sA, sB, s_c, tiled_mma: cute.TiledMma,
     acc = cute.make_rmem_tensor(tCcC.shape, Float32)
     k_blocks = cute.size(tCrA, mode=[2])
 
-    read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-    release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
     for kt in cutlass.range(k_extent // cfg.bk, unroll=1):
         pipe.consumer_wait(read)
@@ -294,13 +358,15 @@ def consume(cfg: cutlass.Constexpr, pipe, sA, sB, s_c, tiled_mma: cute.TiledMma,
         read.advance()
     cute.nvgpu.warpgroup.wait_group(0)
     pipe.consumer_release(release)
+    release.advance()
 
     consumers = pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMERS)
-    consumers.arrive_and_wait()  # s_c overlays the sA ring: the other warpgroup may still read its last stage
+    consumers.arrive_and_wait()  # every consumer thread is done reading the previous item's s_c
     for i in cutlass.range_constexpr(cute.size(acc)):
         m, n = tCcC[i]
         s_c[(m, n)] = acc[i]
     consumers.arrive_and_wait()
+    return read, release
 
 
 def epilogue_thread(ctid):
