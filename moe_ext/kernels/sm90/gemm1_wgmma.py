@@ -5,10 +5,11 @@ Same arguments as gemm1.py's kernel (the launcher picks either by name; this one
 `out_sf` and `k_split`, which must be 1). The activations always arrive as bf16 `x_bf16`: for w4a4 / w4a8 the
 routing kernel decoded them exactly (routing.py). Work items (m, n), live tiles x N1 / 128 of them, spread over
 the persistent CTAs (a fixed grid; the device-side live count sets the items): item (m, n) takes routing tile m
-(128 permuted rows of one local expert) and weight rows [128n, 128n + 128) of this launch's N1 rows. Token rows are gathered through
-permuted_to_expanded (token = expanded // top_k); rows at or past the tile's limit read the last valid row and are
-not stored. With the 64-row up/gate interleave a 128-row weight tile gives intermediate columns
-[col_offset + 64n, col_offset + 64n + 64) (up in accumulator columns 0..63, gate in 64..127); Relu2 gives 128.
+(128 permuted rows of one local expert) and weight rows [128n, 128n + 128) of this launch's N1 rows. Token rows
+are gathered through permuted_to_expanded (token = expanded // top_k); rows at or past the tile's limit read the
+last valid row and are not stored. With the 64-row up/gate interleave a 128-row weight tile gives intermediate
+columns [col_offset + 64n, col_offset + 64n + 64) (up in accumulator columns 0..63, gate in 64..127); Relu2 gives
+128.
 
 The FC2 input goes to `out_bf16` as bf16 in every mode, for the wgmma GEMM2:
   w4a16, w4a4_pt  h itself (w4a4_pt: alpha x per_token_scale; the per-token kernel quantizes it afterwards)
