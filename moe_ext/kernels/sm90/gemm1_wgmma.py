@@ -58,74 +58,47 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
                            sB_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        wg = cute.arch.make_warp_uniform(tidx // mainloop.WARPGROUP)
         cute.arch.griddepcontrol_wait()
-        live = num_live_tiles[0]
-        items = live * (n1 // cfg.bn)
-        sA, sB, s_c, raw_codes, raw_scales, copied, pipe = mainloop.allocate(cfg, sA_layout, sB_layout)
-        if wg == mainloop.COPIER:
-            cute.arch.setmaxregister_decrease(cfg.copier_regs)
-            fill, _ = mainloop.ring_states(cfg)
-            for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
-                item = mainloop.WorkItem(cfg, w, live, tile_to_expert, tile_to_mn_limit)
 
-                def token_row_offset(m):
-                    token = permuted_to_expanded[cute.math.min(item.row0 + m, item.limit - 1)] // top_k
-                    return Int64(token) * Int64(hidden) * Int64(2)
+        def token_row_offset(item, m):
+            token = permuted_to_expanded[cute.math.min(item.row0 + m, item.limit - 1)] // top_k
+            return Int64(token) * Int64(hidden) * Int64(2)
 
-                fill = mainloop.copy_stages(cfg, pipe, copied, sA, raw_codes, raw_scales, tidx,
-                                            x_bf16.iterator.toint(), token_row_offset, w1_tma_atom, w1_tma, w1_sf,
-                                            item.expert,
-                                            item.n_tile * cfg.bn, n1, hidden, fill)
-            mainloop.drain_copies()
-        elif wg == mainloop.DECODER:
-            cute.arch.setmaxregister_decrease(cfg.decoder_regs)
-            publish, landed = mainloop.ring_states(cfg)
-            for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
-                landed, publish = mainloop.decode_stages(cfg, pipe, copied, sB, raw_codes, raw_scales,
-                                                         tidx - mainloop.WARPGROUP, hidden, landed, publish)
-        else:
-            cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            ctid = tidx - mainloop.FIRST_CONSUMER * mainloop.WARPGROUP
-            _, read = mainloop.ring_states(cfg)
-            _, release = mainloop.ring_states(cfg)
-            for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
-                item = mainloop.WorkItem(cfg, w, live, tile_to_expert, tile_to_mn_limit)
-                read, release = mainloop.consume(cfg, pipe, sA, sB, s_c, tiled_mma, wg, ctid, hidden, read,
-                                                 release)
-                expert = item.expert
-                n_tile = item.n_tile
-                r, half = mainloop.epilogue_thread(ctid)
-                row = item.row0 + r
-                if row < item.limit:
-                    s1 = w1_alpha[expert]
-                    if cutlass.const_expr(mode == "w4a4_pt"):
-                        s1 = s1 * per_token_scale[permuted_to_expanded[row] // top_k]
-                    c0 = half * per_thread  # this thread's first intermediate column inside the CTA's
-                    row_addr = s_c.iterator.toint() + r * (cfg.pitch * 4)
-                    out_addr = out_bf16.iterator.toint() + (
-                        Int64(row) * Int64(inter) + Int64(col_offset + n_tile * width + c0)) * Int64(2)
-                    for g in cutlass.range_constexpr(per_thread // group):
-                        h = []
-                        for q in cutlass.range_constexpr(group // 4):
-                            c = c0 + group * g + 4 * q
-                            up = ptx.ld_shared_v4(row_addr + c * 4)
-                            if cutlass.const_expr(gated):
-                                gate = ptx.ld_shared_v4(row_addr + (c + cfg.bn // 2) * 4)
-                                for j in cutlass.range_constexpr(4):
-                                    h.append(activations.apply(kind, up[j].bitcast(Float32) * s1,
-                                                               gate[j].bitcast(Float32) * s1, (p0, p1, p2, p3)))
-                            else:
-                                for j in cutlass.range_constexpr(4):
-                                    h.append(activations.apply(kind, None, up[j].bitcast(Float32) * s1,
-                                                               (p0, p1, p2, p3)))
-                        if cutlass.const_expr(mode == "w4a4"):
-                            words = quantize.dequantized_nvfp4_per_tensor(h, fc2_input_scale[0])
-                        elif cutlass.const_expr(mode == "w4a8"):
-                            words = quantize.dequantized_mxfp8(h)
-                        else:
-                            words = [ptx.pack_bf16x2(h[2 * j], h[2 * j + 1]) for j in range(group // 2)]
-                        ptx.write_words(out_addr + Int64(2 * group * g), words)
+        def epilogue(item, s_c, r, half, row):
+            expert = item.expert
+            n_tile = item.n_tile
+            s1 = w1_alpha[expert]
+            if cutlass.const_expr(mode == "w4a4_pt"):
+                s1 = s1 * per_token_scale[permuted_to_expanded[row] // top_k]
+            c0 = half * per_thread  # this thread's first intermediate column of the item's
+            row_addr = s_c.iterator.toint() + r * (cfg.pitch * 4)
+            out_addr = out_bf16.iterator.toint() + (
+                Int64(row) * Int64(inter) + Int64(col_offset + n_tile * width + c0)) * Int64(2)
+            for g in cutlass.range_constexpr(per_thread // group):
+                h = []
+                for q in cutlass.range_constexpr(group // 4):
+                    c = c0 + group * g + 4 * q
+                    up = ptx.ld_shared_v4(row_addr + c * 4)
+                    if cutlass.const_expr(gated):
+                        gate = ptx.ld_shared_v4(row_addr + (c + cfg.bn // 2) * 4)
+                        for j in cutlass.range_constexpr(4):
+                            h.append(activations.apply(kind, up[j].bitcast(Float32) * s1,
+                                                       gate[j].bitcast(Float32) * s1, (p0, p1, p2, p3)))
+                    else:
+                        for j in cutlass.range_constexpr(4):
+                            h.append(activations.apply(kind, None, up[j].bitcast(Float32) * s1,
+                                                       (p0, p1, p2, p3)))
+                if cutlass.const_expr(mode == "w4a4"):
+                    words = quantize.dequantized_nvfp4_per_tensor(h, fc2_input_scale[0])
+                elif cutlass.const_expr(mode == "w4a8"):
+                    words = quantize.dequantized_mxfp8(h)
+                else:
+                    words = [ptx.pack_bf16x2(h[2 * j], h[2 * j + 1]) for j in range(group // 2)]
+                ptx.write_words(out_addr + Int64(2 * group * g), words)
+
+        mainloop.run_roles(cfg, tidx, cta, num_live_tiles[0], sA_layout, sB_layout, tiled_mma, tile_to_expert,
+                           tile_to_mn_limit, x_bf16.iterator.toint(), token_row_offset, w1_tma_atom, w1_tma, w1_sf,
+                           n1, hidden, epilogue)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit

@@ -45,61 +45,34 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
                            sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
-        wg = cute.arch.make_warp_uniform(tidx // mainloop.WARPGROUP)
         cute.arch.griddepcontrol_wait()
-        live = num_live_tiles[0]
-        items = live * (hidden // cfg.bn)
-        sA, sB, s_c, raw_codes, raw_scales, copied, pipe = mainloop.allocate(cfg, sA_layout, sB_layout)
-        if wg == mainloop.COPIER:
-            cute.arch.setmaxregister_decrease(cfg.copier_regs)
-            fill, _ = mainloop.ring_states(cfg)
-            for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
-                item = mainloop.WorkItem(cfg, w, live, tile_to_expert, tile_to_mn_limit)
 
-                def permuted_row_offset(m):
-                    return Int64(cute.math.min(item.row0 + m, item.limit - 1)) * Int64(inter) * Int64(2)
+        def permuted_row_offset(item, m):
+            return Int64(cute.math.min(item.row0 + m, item.limit - 1)) * Int64(inter) * Int64(2)
 
-                fill = mainloop.copy_stages(cfg, pipe, copied, sA, raw_codes, raw_scales, tidx,
-                                            a_bf16.iterator.toint(), permuted_row_offset, w2_tma_atom, w2_tma, w2_sf,
-                                            item.expert,
-                                            item.n_tile * cfg.bn, hidden, inter, fill)
-            mainloop.drain_copies()
-        elif wg == mainloop.DECODER:
-            cute.arch.setmaxregister_decrease(cfg.decoder_regs)
-            publish, landed = mainloop.ring_states(cfg)
-            for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
-                landed, publish = mainloop.decode_stages(cfg, pipe, copied, sB, raw_codes, raw_scales,
-                                                         tidx - mainloop.WARPGROUP, inter, landed, publish)
-        else:
-            cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            ctid = tidx - mainloop.FIRST_CONSUMER * mainloop.WARPGROUP
-            _, read = mainloop.ring_states(cfg)
-            _, release = mainloop.ring_states(cfg)
-            for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
-                item = mainloop.WorkItem(cfg, w, live, tile_to_expert, tile_to_mn_limit)
-                read, release = mainloop.consume(cfg, pipe, sA, sB, s_c, tiled_mma, wg, ctid, inter, read,
-                                                 release)
-                expert = item.expert
-                n_tile = item.n_tile
-                r, half = mainloop.epilogue_thread(ctid)
-                row = item.row0 + r
-                if row < item.limit:
-                    out_row, scale = gemm2.output_row_and_scale(mode == "w4a4_pt", fused, permuted_to_expanded[row],
-                                                                row, expert, top_k, w2_alpha, token_final_scales,
-                                                                row_scale)
-                    c0 = half * per_thread
-                    row_addr = s_c.iterator.toint() + r * (cfg.pitch * 4)
-                    words = []
-                    for v in cutlass.range_constexpr(per_thread // 4):
-                        acc = ptx.ld_shared_v4(row_addr + (c0 + 4 * v) * 4)
-                        words += [ptx.pack_bf16x2(scale * acc[0].bitcast(Float32), scale * acc[1].bitcast(Float32)),
-                                  ptx.pack_bf16x2(scale * acc[2].bitcast(Float32), scale * acc[3].bitcast(Float32))]
-                    address = out.iterator.toint() + (Int64(out_row) * Int64(out_pitch) + Int64(
-                        col_offset + n_tile * cfg.bn + c0)) * 2
-                    if fused:
-                        ptx.write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
-                    else:
-                        ptx.write_words(address, words)
+        def epilogue(item, s_c, r, half, row):
+            expert = item.expert
+            n_tile = item.n_tile
+            out_row, scale = gemm2.output_row_and_scale(mode == "w4a4_pt", fused, permuted_to_expanded[row],
+                                                        row, expert, top_k, w2_alpha, token_final_scales,
+                                                        row_scale)
+            c0 = half * per_thread
+            row_addr = s_c.iterator.toint() + r * (cfg.pitch * 4)
+            words = []
+            for v in cutlass.range_constexpr(per_thread // 4):
+                acc = ptx.ld_shared_v4(row_addr + (c0 + 4 * v) * 4)
+                words += [ptx.pack_bf16x2(scale * acc[0].bitcast(Float32), scale * acc[1].bitcast(Float32)),
+                          ptx.pack_bf16x2(scale * acc[2].bitcast(Float32), scale * acc[3].bitcast(Float32))]
+            address = out.iterator.toint() + (Int64(out_row) * Int64(out_pitch) + Int64(
+                col_offset + n_tile * cfg.bn + c0)) * 2
+            if fused:
+                ptx.write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
+            else:
+                ptx.write_words(address, words)
+
+        mainloop.run_roles(cfg, tidx, cta, num_live_tiles[0], sA_layout, sB_layout, tiled_mma, tile_to_expert,
+                           tile_to_mn_limit, a_bf16.iterator.toint(), permuted_row_offset, w2_tma_atom, w2_tma, w2_sf,
+                           hidden, inter, epilogue)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit

@@ -38,10 +38,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float32, Int32, Int64
-from cutlass.cute.nvgpu import OperandMajorMode
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync
 from cutlass.tensor_utils import LayoutEnum
-
-from cutlass.cute.nvgpu import cpasync
 
 from . import ptx
 from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
@@ -374,3 +372,48 @@ def epilogue_thread(ctid):
     first halves, lanes 16-31 their second halves, so 8 lanes of one 16-byte shared load read 8 different rows."""
     lane = ctid % 32
     return (ctid // 32) * 16 + lane % 16, lane // 16
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The persistent kernel body
+# ----------------------------------------------------------------------------------------------------------------
+@cute.jit
+def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, sA_layout, sB_layout, tiled_mma: cute.TiledMma,
+              tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, a_base: Int64,
+              a_row_offset: cutlass.Constexpr, tma_atom, tma_w, w_sf, rows_per_expert, k_extent,
+              epilogue: cutlass.Constexpr):
+    """Every role of a wgmma GEMM over its work items (`live` routing tiles x rows_per_expert / bn column tiles):
+    the copier gathers A row m of an item from `a_row_offset(item, m)` bytes past `a_base`, the weights are
+    `tma_w` / `w_sf` (K = k_extent), and after each item, with the item's fp32 tile in s_c, each consumer thread
+    calls `epilogue(item, s_c, r, half, row)` for its tile row r (routed row `row`, valid) and column half
+    (epilogue_thread)."""
+    wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+    items = live * (rows_per_expert // cfg.bn)
+    sA, sB, s_c, raw_codes, raw_scales, copied, pipe = allocate(cfg, sA_layout, sB_layout)
+    if wg == COPIER:
+        cute.arch.setmaxregister_decrease(cfg.copier_regs)
+        fill, _ = ring_states(cfg)
+        for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
+            item = WorkItem(cfg, w, live, tile_to_expert, tile_to_mn_limit)
+            fill = copy_stages(cfg, pipe, copied, sA, raw_codes, raw_scales, tidx, a_base,
+                               lambda m: a_row_offset(item, m), tma_atom, tma_w, w_sf, item.expert,
+                               item.n_tile * cfg.bn, rows_per_expert, k_extent, fill)
+        drain_copies()
+    elif wg == DECODER:
+        cute.arch.setmaxregister_decrease(cfg.decoder_regs)
+        publish, landed = ring_states(cfg)
+        for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
+            landed, publish = decode_stages(cfg, pipe, copied, sB, raw_codes, raw_scales, tidx - WARPGROUP,
+                                            k_extent, landed, publish)
+    else:
+        cute.arch.setmaxregister_increase(cfg.consumer_regs)
+        ctid = tidx - FIRST_CONSUMER * WARPGROUP
+        _, read = ring_states(cfg)
+        _, release = ring_states(cfg)
+        for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
+            item = WorkItem(cfg, w, live, tile_to_expert, tile_to_mn_limit)
+            read, release = consume(cfg, pipe, sA, sB, s_c, tiled_mma, wg, ctid, k_extent, read, release)
+            r, half = epilogue_thread(ctid)
+            row = item.row0 + r
+            if row < item.limit:
+                epilogue(item, s_c, r, half, row)
