@@ -26,8 +26,8 @@ Measured at T = 4096 on five shapes (benchmarks/results/h200_session10_checks.md
 copier/decoder split ran GEMM1 1.06-1.18x and GEMM2 1.01-1.08x faster than one producer warpgroup; this
 persistent, TMA-fed form another 1.06-1.17x (GEMM1) and 1.04-1.23x (GEMM2) over the split's one CTA per tile with
 per-thread cp.async weight rows. Two decoder warpgroups did not pay (GEMM1 1.07-1.11x, GEMM2 0.97-1.00x; with
-persistence, less than persistence and TMA alone). The ring is 4 stages (214 KB with s_c). ptxas keeps a few
-values that cross the setmaxnreg branches in local memory (bytes of stack, loaded once per work item).
+persistence, less than persistence and TMA alone). The ring is 4 stages (214 KB with s_c); 128 registers at
+launch, no stack or local memory (sm_90a SASS).
 """
 # (no `from __future__ import annotations`: cute.struct reads its annotations as live objects)
 from dataclasses import dataclass
@@ -121,7 +121,8 @@ def allocate(cfg: WgmmaConfig, sA_layout, sB_layout):
     """(sA, sB, s_c, raw code ring address, raw scale ring address, copied, pipeline): the CTA's shared memory and
     its two pipelines; all threads call it. Kernels keep the pieces as separate locals (a runtime branch turns
     the Python ints inside a carried tuple into runtime values). `copied` counts the copier's 128 cp.async
-    arrivals per stage (its empty side is unused: the copier waits for the consumers' release of the stage);
+    arrivals and the one expect_tx arrival of the TMA bytes per stage (its empty side is unused: the copier waits
+    for the consumers' release of the stage);
     `pipeline`'s full barriers count the 128 decoder threads, its empty ones the 256 consumer threads.
     sA (bm, bk, stages) and sB (bn, bk, stages) carry their swizzle in the pointer; s_c is fp32 (bm, bn) with row
     pitch cfg.pitch, the accumulator tile for the epilogue (its own memory: the ring already holds the next work
