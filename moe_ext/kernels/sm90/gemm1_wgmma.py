@@ -69,6 +69,7 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
             s1 = w1_alpha[expert]
             if cutlass.const_expr(mode == "w4a4_pt"):
                 s1 = s1 * per_token_scale[permuted_to_expanded[row] // top_k]
+            s1 = s1 * Float32(mainloop.ACCUMULATOR_SCALE)
             c0 = half * per_thread  # this thread's first intermediate column of the item's
             row_addr = s_c.iterator.toint() + r * (cfg.pitch * 4)
             out_addr = out_bf16.iterator.toint() + (

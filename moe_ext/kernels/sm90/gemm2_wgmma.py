@@ -56,6 +56,7 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
             out_row, scale = gemm2.output_row_and_scale(mode == "w4a4_pt", fused, permuted_to_expanded[row],
                                                         row, expert, top_k, w2_alpha, token_final_scales,
                                                         row_scale)
+            scale = scale * Float32(mainloop.ACCUMULATOR_SCALE)
             c0 = half * per_thread
             row_addr = s_c.iterator.toint() + r * (cfg.pitch * 4)
             words = []

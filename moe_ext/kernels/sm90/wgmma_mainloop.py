@@ -16,14 +16,16 @@ the copier fills the next item's stages while the consumers run this item's epil
        arrival). The copier never waits for its own copies and runs up to `stages` ahead.
   warpgroups 1-2, consumers (setmaxnreg up)
     wait for `copied`; each thread reads its two weight rows' raw codes and scales from the slot and decodes the
-    mma fragment it owns (e2m1 -> bf16 times the block scale: exact) into one of two register buffers; wgmma
+    mma fragment it owns into one of two register buffers: one bf16 multiply per e2m1 pair, by a shared table
+    entry bf16x2(scale * 2^63), exact (the accumulators hold the products times 2^-63); wgmma
     m64n128k16 RS per k16 block; then retire the previous stage's wgmmas (wait_group 1), which frees the other
     register buffer and the previous stage's slot.
 
 Against the shared-memory form (a decoder warpgroup storing decoded weights to shared memory for SS wgmmas): no
 decoded sB round trip, no proxy fence, and each stage moves about 57 KB of shared memory instead of 89 KB, under
 the 512 tensor cycles of a stage (docs/perf-notes.md, session 11). The decode now issues from the consumer warps
-(about 250 instructions per thread and stage), overlapping the previous stage's wgmmas.
+(174 SASS instructions per thread and stage), overlapping the previous stage's wgmmas. Scale range: exact for
+every e4m3 scale and ue8m0 scales in [2^-62, 2^64], as the streaming kernels (stream.py).
 """
 # (no `from __future__ import annotations`: cute.struct reads its annotations as live objects)
 from dataclasses import dataclass
@@ -39,10 +41,13 @@ from cutlass.cute.nvgpu.warpgroup import OperandSource
 from cutlass.tensor_utils import LayoutEnum
 
 from . import ptx
-from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
-from .stream import weight_box_tma
+from .fp4 import swizzled_sf_offset
+from .stream import TWO_P63, scale_table_entry, weight_box_tma
 
 WARPGROUP = 128
+# The decode multiplies each e2m1 pair once, by a table entry bf16x2(scale * 2^63) (stream.scale_table_entry), so
+# the accumulators hold the products times 2^-63; the epilogues multiply by this (exact: a power of two).
+ACCUMULATOR_SCALE = TWO_P63
 COPIER, FIRST_CONSUMER = 0, 1  # warpgroups
 CONSUMERS = 256
 
@@ -106,6 +111,7 @@ def make_storage(cfg: WgmmaConfig, tok_layout):
         # scale atom of the 128x4 layout (bulk copy).
         raw_codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * cfg.bn * cfg.bk // 2], 1024]
         raw_scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * 512], 16]
+        scale_lut: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 256 * 4], 16]  # bf16x2 per scale byte
         tokens: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(tok_layout)], 1024]
         sC: cute.struct.Align[cute.struct.MemRange[Float32, cfg.bm * cfg.pitch], 16]
 
@@ -113,7 +119,8 @@ def make_storage(cfg: WgmmaConfig, tok_layout):
 
 
 def allocate(cfg: WgmmaConfig, tok_layout):
-    """(token tile, s_c, raw code ring address, raw scale ring address, copied): the CTA's shared memory and its
+    """(token tile, s_c, raw code ring address, raw scale ring address, scale table address, copied): the CTA's
+    shared memory and its
     pipeline; all threads call it. Kernels keep the pieces as separate locals (a runtime branch turns the Python
     ints inside a carried tuple into runtime values). `copied` counts the copier's 128 cp.async arrivals and the
     one expect_tx arrival of the TMA bytes per stage; its empty side counts the 256 consumer threads' releases.
@@ -128,7 +135,8 @@ def allocate(cfg: WgmmaConfig, tok_layout):
                                                                                       CONSUMERS))
     return (st.tokens.get_tensor(tok_layout.outer, swizzle=tok_layout.inner),
             st.sC.get_tensor(cute.make_layout((cfg.bm, cfg.bn), stride=(cfg.pitch, 1))),
-            st.raw_codes.data_ptr().toint(), st.raw_scales.data_ptr().toint(), copied)
+            st.raw_codes.data_ptr().toint(), st.raw_scales.data_ptr().toint(), st.scale_lut.data_ptr().toint(),
+            copied)
 
 
 class WorkItem:
@@ -221,28 +229,24 @@ class RawSlots(NamedTuple):
     scales: Int32
 
 
-def e2m1x8_two_rows(word: Int32, scale_row: Int32, scale_row8: Int32) -> list:
-    """8 e2m1 codes, bytes (row k..k+1, row+8 k..k+1, row k+8..k+9, row+8 k+8..k+9) -> the 4 bf16x2 words of a
-    register A fragment in PTX order, each pair times its row's bf16x2 scale (exact: <= 6 significant bits)."""
-    p = ptx.e2m1x8_to_bf16x2(word, Int32(ptx.BF16X2_2P126))  # (c0 c4)(c1 c5)(c2 c6)(c3 c7), exact values
-    natural = [ptx.prmt(p[0], p[1], 0x5410), ptx.prmt(p[2], p[3], 0x5410), ptx.prmt(p[0], p[1], 0x7632),
-               ptx.prmt(p[2], p[3], 0x7632)]
-    return [ptx.mul_bf16x2(v, s) for v, s in zip(natural, (scale_row, scale_row8, scale_row, scale_row8))]
+def e2m1x8_per_pair(word: Int32, scales: list) -> list:
+    """ptx.e2m1x8_to_bf16x2 with pair i (codes i, i + 4) times its own bf16x2 scales[i]. (A copy of its bit
+    pattern while this form is an experiment, so ptx.py and the streaming kernels stay as tested.)"""
+    out = []
+    for i in range(4):
+        mag = (word << (6 - 4 * i)) if i < 2 else (word >> (4 * i - 6))  # the mask drops sign-filled bits
+        sign = (word << (12 - 4 * i)) & Int32(-2147450880)  # 0x80008000
+        out.append(ptx.mul_bf16x2((mag & Int32(0x01C001C0)) | sign, scales[i]))
+    return out
 
 
-def block_scale2(cfg: WgmmaConfig, word: Int32, byte) -> Int32:
-    """bf16x2 (s, s) of byte `byte` of a 4-byte scale group (e4m3, or ue8m0: a power of two)."""
-    code = (word >> (8 * byte)) & 0xFF
-    s = e4m3_to_f32(code) if cfg.sf_block == 16 else ue8m0_to_f32(code)
-    return ptx.pack_bf16x2(s, s)
-
-
-def decode_a_stage(cfg: WgmmaConfig, ring: RawRing, ring8: RawRing, pick: Int32, a_words: cute.Tensor, first: int,
-                   stage, kt):
+def decode_a_stage(cfg: WgmmaConfig, ring: RawRing, ring8: RawRing, pick: Int32, lut: Int32, a_words: cute.Tensor,
+                   first: int, stage, kt):
     """Raw slot of K stage kt -> this thread's register A fragments of the stage's k16 blocks: a_words[first + 4 kb + j]
     is word j of block kb in PTX order (row, k..k+1), (row + 8, k..k+1), (row, k+8..k+9), (row + 8, k+8..k+9)
-    with k = 16 kb + 2 (lane % 4). The thread reads its two rows' 32 code bytes whole (the 4 lanes of a quad read
-    the same addresses) and `pick` (a prmt selector) takes byte lane % 4 of a word of each row."""
+    with k = 16 kb + 2 (lane % 4), each value times its block scale and 2^-63 (ACCUMULATOR_SCALE). The thread reads
+    its two rows' 32 code bytes whole (the 4 lanes of a quad read the same addresses), `pick` (a prmt selector)
+    takes byte lane % 4 of a word of each row, and a scale is one load from the table at `lut`."""
     rows = [[ptx.ld_shared_v4(r.codes_at(stage, h)) for h in range(2)] for r in (ring, ring8)]
     words = [[w for half in row for w in half] for row in rows]  # word j: K 8j..8j+7
     scales = [ptx.ld_shared_b32(r.scales_at(stage)) for r in (ring, ring8)]
@@ -253,8 +257,11 @@ def decode_a_stage(cfg: WgmmaConfig, ring: RawRing, ring8: RawRing, pick: Int32,
         lo = ptx.prmt_r(words[0][2 * kb], words[1][2 * kb], pick)
         hi = ptx.prmt_r(words[0][2 * kb + 1], words[1][2 * kb + 1], pick)
         block = first_byte + kb * 16 // cfg.sf_block
-        frag = e2m1x8_two_rows(ptx.prmt(lo, hi, 0x5410), block_scale2(cfg, scales[0], block),
-                               block_scale2(cfg, scales[1], block))
+        s_row, s_row8 = [ptx.ld_shared_b32(lut + ((word >> (8 * block)) & 0xFF) * 4) for word in scales]
+        # codes: (row k..k+1, row+8 k..k+1, row k+8..k+9, row+8 k+8..k+9); pairs (i, i + 4): rows, rows, +8, +8
+        pairs = e2m1x8_per_pair(ptx.prmt(lo, hi, 0x5410), [s_row, s_row, s_row8, s_row8])
+        frag = [ptx.prmt(pairs[0], pairs[1], 0x5410), ptx.prmt(pairs[2], pairs[3], 0x5410),
+                ptx.prmt(pairs[0], pairs[1], 0x7632), ptx.prmt(pairs[2], pairs[3], 0x7632)]
         for j in range(4):
             a_words[first + 4 * kb + j] = frag[j]
 
@@ -303,14 +310,14 @@ def drain_copies():
 
 @cute.jit
 def mma_stage(cfg: cutlass.Constexpr, copied, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,
-              tCrB: cute.Tensor, a_words: cute.Tensor, ring: RawRing, ring8: RawRing, pick: Int32, kt,
+              tCrB: cute.Tensor, a_words: cute.Tensor, ring: RawRing, ring8: RawRing, pick: Int32, lut: Int32, kt,
               buf: cutlass.Constexpr, read, release):
     """One K stage: wait for its copies, decode its weights into register buffer `buf` (k-blocks 4 buf .. 4 buf + 3
     of tCrA), issue its wgmmas, then retire the previous stage's (so its tokens are released and its register
     buffer, the other one, may be written again by the next stage). Returns the ring states advanced."""
     k_blocks = cfg.bk // 16
     copied.consumer_wait(read)
-    decode_a_stage(cfg, ring, ring8, pick, a_words, 4 * k_blocks * buf, read.index, kt)
+    decode_a_stage(cfg, ring, ring8, pick, lut, a_words, 4 * k_blocks * buf, read.index, kt)
     cute.nvgpu.warpgroup.fence()
     for kb in cutlass.range_constexpr(k_blocks):
         cute.gemm(tiled_mma, acc, tCrA[(None, None, k_blocks * buf + kb)], tCrB[(None, None, kb, read.index)], acc)
@@ -324,7 +331,7 @@ def mma_stage(cfg: cutlass.Constexpr, copied, tiled_mma: cute.TiledMma, acc: cut
 
 
 @cute.jit
-def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_scales: Int32,
+def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_scales: Int32, lut: Int32,
             tiled_mma: cute.TiledMma, wg, ctid, k_extent, read, release):
     """acc (64 weight rows per warpgroup x bm tokens) = A . tokens^T over all K stages of one work item, A decoded
     from each stage's raw slot straight into the wgmma's register operand. Two register buffers alternate by
@@ -348,11 +355,11 @@ def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_s
     stages = k_extent // cfg.bk
     for pair in cutlass.range(stages // 2, unroll=1):
         for buf in cutlass.range_constexpr(2):
-            read, release = mma_stage(cfg, copied, tiled_mma, acc, tCrA, tCrB, a_words, ring, ring8, pick,
+            read, release = mma_stage(cfg, copied, tiled_mma, acc, tCrA, tCrB, a_words, ring, ring8, pick, lut,
                                       2 * pair + buf, buf, read, release)
     for kt in cutlass.range(stages - stages % 2, stages, unroll=1):  # an odd last stage: buffer 0 is free
-        read, release = mma_stage(cfg, copied, tiled_mma, acc, tCrA, tCrB, a_words, ring, ring8, pick, kt, 0,
-                                  read, release)
+        read, release = mma_stage(cfg, copied, tiled_mma, acc, tCrA, tCrB, a_words, ring, ring8, pick, lut, kt,
+                                  0, read, release)
     cute.nvgpu.warpgroup.wait_group(0)
     copied.consumer_release(release)
     release.advance()
@@ -385,10 +392,10 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
     the copier gathers token row m of an item from `a_row_offset(item, m)` bytes past `a_base`, the weights are
     `tma_w` / `w_sf` (K = k_extent), and after each item, with the item's fp32 tile in s_c, each consumer thread
     calls `epilogue(item, s_c, r, half, row)` for its tile row r (routed row `row`, valid) and column half
-    (epilogue_thread)."""
+    (epilogue_thread); the tile holds the products times 2^-63 (ACCUMULATOR_SCALE)."""
     wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
     items = live * (rows_per_expert // cfg.bn)
-    tokens, s_c, raw_codes, raw_scales, copied = allocate(cfg, tok_layout)
+    tokens, s_c, raw_codes, raw_scales, lut, copied = allocate(cfg, tok_layout)
     if wg == COPIER:
         cute.arch.setmaxregister_decrease(cfg.copier_regs)
         fill, _ = ring_states(cfg)
@@ -401,12 +408,14 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
     else:
         cute.arch.setmaxregister_increase(cfg.consumer_regs)
         ctid = tidx - FIRST_CONSUMER * WARPGROUP
+        ptx.st_shared_b32(lut + ctid * 4, scale_table_entry(ctid, cfg.sf_block))  # 256 consumers, 256 entries
+        pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMERS).arrive_and_wait()
         _, read = ring_states(cfg)
         _, release = ring_states(cfg)
         for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
             item = WorkItem(cfg, w, live, tile_to_expert, tile_to_mn_limit)
-            read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, tiled_mma, wg, ctid, k_extent,
-                                    read, release)
+            read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, tiled_mma, wg, ctid,
+                                    k_extent, read, release)
             r, half = epilogue_thread(ctid)
             row = item.row0 + r
             if row < item.limit:
