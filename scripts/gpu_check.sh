@@ -129,9 +129,9 @@ elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, 
   done
   [ "$PARTS" = ab_wgmma ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
 elif [ "$PART" = sweep ]; then  # issue 4's sweep, w4a16 fused, all three impls (carry .offline/triton_kernels_v3.6)
-  step sweep 560 env PYTHONPATH="$PWD:$PWD/.offline/triton_kernels_v3.6" python3 -m moe_ext.bench \
+  step sweep "${SWEEP_SECONDS:-560}" env PYTHONPATH="$PWD:$PWD/.offline/triton_kernels_v3.6" python3 -m moe_ext.bench \
     --shapes qwen3-30b-a3b,deepseek-v3-ep8,gpt-oss-120b,mixtral-8x7b,deepseek-v3 \
-    --tokens 1,8,64,256,1024,4096,16384 --modes w4a16 --finalize fused \
+    --tokens "${SWEEP_TOKENS:-1,8,64,256,1024,4096,16384}" --modes w4a16 --finalize fused \
     --impls moe_ext,torch_grouped_mm_bf16,triton_kernels_mxfp4 --iters 20 --max-seconds-per-point 1.0 \
     --out "$OUT/h200.json"
 elif [ "$PART" = prefill_ncu ]; then  # what bounds the wgmma GEMMs: pipes, shared memory, stalls (one launch each)

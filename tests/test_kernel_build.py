@@ -155,3 +155,32 @@ def test_three_ctas_per_sm_variant_fits_and_compiles(gemm, tokens):
         assert gemm1.compile_launch(gemm1.make_kernel("w4a16", "swiglu", tokens, cfg), "--gpu-arch sm_90a") is not None
     else:
         assert gemm2.compile_launch(gemm2.make_kernel("w4a16", tokens, cfg), "--gpu-arch sm_90a") is not None
+
+
+def test_register_a_fragment_is_in_ptx_order():
+    """decode_a_stage writes each k16 block's A fragment as 4 words in PTX order, thread t owning weight rows
+    16 (t // 32) + (t % 32) // 4 (+ 8) and K 2 (t % 4) (+ 8): CuTe's tiled MMA and its fragment must agree."""
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    from moe_ext.kernels.sm90 import wgmma_mainloop as mainloop
+
+    cfg = mainloop.WgmmaConfig()
+    threads = (0, 1, 5, 37, 130, 255)
+    seen = {}
+
+    @cute.jit
+    def probe():  # static layouts, read while tracing
+        tiled_mma = mainloop.make_tiled_mma(cfg)
+        tv = tiled_mma.tv_layout_A_tiled  # (thread, value) -> (weight row, k) of one k16 block, column-major
+        seen["coords"] = [[(tv((t, v)) % cfg.bn, tv((t, v)) // cfg.bn) for v in range(8)] for t in threads]
+        fragment = tiled_mma.make_fragment_A(tiled_mma.get_slice(0).partition_shape_A((cfg.bn, 2 * cfg.bk)))
+        words = cute.recast_tensor(fragment, Int32).layout
+        seen["words"] = [words(i) for i in range(32)]
+
+    cute.compile(probe, options="--gpu-arch sm_90a")
+    for t, got in zip(threads, seen["coords"]):
+        row, k = 16 * (t // 32) + (t % 32) // 4, 2 * (t % 4)
+        assert got == [(row, k), (row, k + 1), (row + 8, k), (row + 8, k + 1),
+                       (row, k + 8), (row, k + 9), (row + 8, k + 8), (row + 8, k + 9)], t
+    assert seen["words"] == list(range(32))  # word i is register i: k-block slice i // 4, PTX word i % 4

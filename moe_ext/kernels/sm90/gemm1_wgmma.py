@@ -54,8 +54,7 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
                            tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor, out_bf16: cute.Tensor,
                            out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor, hidden: Int32,
                            n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32, p1: Float32,
-                           p2: Float32, p3: Float32, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
-                           sB_layout: cute.ComposedLayout):
+                           p2: Float32, p3: Float32, tiled_mma: cute.TiledMma, tok_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         cute.arch.griddepcontrol_wait()
@@ -70,6 +69,7 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
             s1 = w1_alpha[expert]
             if cutlass.const_expr(mode == "w4a4_pt"):
                 s1 = s1 * per_token_scale[permuted_to_expanded[row] // top_k]
+            s1 = s1 * Float32(mainloop.ACCUMULATOR_SCALE)
             c0 = half * per_thread  # this thread's first intermediate column of the item's
             row_addr = s_c.iterator.toint() + r * (cfg.pitch * 4)
             out_addr = out_bf16.iterator.toint() + (
@@ -96,7 +96,7 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
                     words = [ptx.pack_bf16x2(h[2 * j], h[2 * j + 1]) for j in range(group // 2)]
                 ptx.write_words(out_addr + Int64(2 * group * g), words)
 
-        mainloop.run_roles(cfg, tidx, cta, num_live_tiles[0], sA_layout, sB_layout, tiled_mma, tile_to_expert,
+        mainloop.run_roles(cfg, tidx, cta, num_live_tiles[0], tok_layout, tiled_mma, tile_to_expert,
                            tile_to_mn_limit, x_bf16.iterator.toint(), token_row_offset, w1_tma_atom, w1_tma, w1_sf,
                            n1, hidden, epilogue)
         cute.arch.griddepcontrol_launch_dependents()
@@ -109,14 +109,14 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
                hidden: Int32, n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32, p1: Float32,
                p2: Float32, p3: Float32, k_split: Int32, pdl: cutlass.Boolean, stream: cuda.CUstream):
         tiled_mma = mainloop.make_tiled_mma(cfg)
-        sA_layout, sB_layout = mainloop.smem_layouts(cfg)
-        storage = mainloop.make_storage(cfg, sA_layout, sB_layout)
+        tok_layout = mainloop.token_layout(cfg)
+        storage = mainloop.make_storage(cfg, tok_layout)
         w1_tma_atom, w1_tma = mainloop.raw_weight_tma(cfg, w1, cute.size(w1_alpha), n1, hidden)
         gemm1_wgmma_kernel(x_bf16, x_q, x_sf, per_token_scale, w1_tma_atom, w1_tma, w1_sf, w1_alpha,
                            permuted_to_expanded,
                            tile_to_expert, tile_to_mn_limit, num_live_tiles, out_bf16, out_q, out_sf,
                            fc2_input_scale, hidden, n1, inter, col_offset, top_k, p0, p1, p2, p3, tiled_mma,
-                           sA_layout, sB_layout).launch(
+                           tok_layout).launch(
             grid=(cfg.ctas, 1, 1), block=(cfg.threads, 1, 1),
             smem=storage.size_in_bytes(), stream=stream, use_pdl=pdl)
 

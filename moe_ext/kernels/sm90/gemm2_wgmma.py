@@ -42,7 +42,7 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
                            tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
                            out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32, col_offset: Int32,
                            top_k: Int32, fused: cutlass.Boolean, tiled_mma: cute.TiledMma,
-                           sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout):
+                           tok_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         cute.arch.griddepcontrol_wait()
@@ -56,6 +56,7 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
             out_row, scale = gemm2.output_row_and_scale(mode == "w4a4_pt", fused, permuted_to_expanded[row],
                                                         row, expert, top_k, w2_alpha, token_final_scales,
                                                         row_scale)
+            scale = scale * Float32(mainloop.ACCUMULATOR_SCALE)
             c0 = half * per_thread
             row_addr = s_c.iterator.toint() + r * (cfg.pitch * 4)
             words = []
@@ -70,7 +71,7 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
             else:
                 ptx.write_words(address, words)
 
-        mainloop.run_roles(cfg, tidx, cta, num_live_tiles[0], sA_layout, sB_layout, tiled_mma, tile_to_expert,
+        mainloop.run_roles(cfg, tidx, cta, num_live_tiles[0], tok_layout, tiled_mma, tile_to_expert,
                            tile_to_mn_limit, a_bf16.iterator.toint(), permuted_row_offset, w2_tma_atom, w2_tma, w2_sf,
                            hidden, inter, epilogue)
         cute.arch.griddepcontrol_launch_dependents()
@@ -83,12 +84,12 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
                col_offset: Int32, top_k: Int32, fused: cutlass.Boolean, k_split: Int32, pdl: cutlass.Boolean,
                stream: cuda.CUstream):
         tiled_mma = mainloop.make_tiled_mma(cfg)
-        sA_layout, sB_layout = mainloop.smem_layouts(cfg)
-        storage = mainloop.make_storage(cfg, sA_layout, sB_layout)
+        tok_layout = mainloop.token_layout(cfg)
+        storage = mainloop.make_storage(cfg, tok_layout)
         w2_tma_atom, w2_tma = mainloop.raw_weight_tma(cfg, w2, cute.size(w2_alpha), hidden, inter)
         gemm2_wgmma_kernel(a_bf16, a_q, a_sf, row_scale, w2_tma_atom, w2_tma, w2_sf, w2_alpha, token_final_scales,
                            permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out, hidden,
-                           inter, out_pitch, col_offset, top_k, fused, tiled_mma, sA_layout, sB_layout).launch(
+                           inter, out_pitch, col_offset, top_k, fused, tiled_mma, tok_layout).launch(
             grid=(cfg.ctas, 1, 1), block=(cfg.threads, 1, 1),
             smem=storage.size_in_bytes(), stream=stream, use_pdl=pdl)
 

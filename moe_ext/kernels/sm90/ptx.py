@@ -136,6 +136,12 @@ def prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def prmt_r(a: Int32, b: Int32, selector: Int32, *, loc=None, ip=None) -> Int32:
+    """prmt with the selector in a register."""
+    return Int32(_asm(1, [Int32(a), Int32(b), Int32(selector)], "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r"))
+
+
+@dsl_user_op
 def mul_bf16x2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(_asm(1, [Int32(a), Int32(b)], "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r"))
 

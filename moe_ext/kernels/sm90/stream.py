@@ -164,8 +164,15 @@ def fill_scale_lut(sm: Smem, tid, block: int) -> None:
     instructions."""
     for i in range(max(1, 256 // sm.threads)):
         code = (tid + i * sm.threads) % 256
-        value = (e4m3_to_f32(code) if block == 16 else ue8m0_to_f32(code)) * Float32(TWO_P63)
-        ptx.st_shared_b32(sm.scale_lut + code * 4, ptx.pack_bf16x2(value, value))
+        entry = scale_table_entry(code, block)
+        ptx.st_shared_b32(sm.scale_lut + code * 4, entry)
+
+
+def scale_table_entry(code, block: int) -> Int32:
+    """bf16x2 (scale * 2^63) of scale byte `code`: e4m3 (NVFP4, block 16) or ue8m0 (MXFP4, block 32). Times a
+    decoded e2m1 pattern (value * 2^-126) it gives value * scale * 2^-63 in one exact multiply."""
+    value = (e4m3_to_f32(code) if block == 16 else ue8m0_to_f32(code)) * Float32(TWO_P63)
+    return ptx.pack_bf16x2(value, value)
 
 
 def _scale_pairs(sm: Smem, group: Int32, tid, block: int) -> list:
