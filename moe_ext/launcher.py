@@ -221,10 +221,20 @@ TOKEN_TILES = (8, 16, 32, 64, 128)
 
 
 @functools.lru_cache(maxsize=None)
-def token_tiles(mode: str, kind: str) -> tuple:
-    """The routing tiles with both GEMM kernels linked for this mode (with `_pt`) and activation kind."""
+def streaming_tiles(mode: str, kind: str) -> tuple:
+    """The routing tiles with both streaming GEMM kernels linked for this mode (with `_pt`) and activation kind."""
     return tuple(t for t in TOKEN_TILES
                  if has_kernel(f"moe_gemm1_{mode}_{kind}_t{t}") and has_kernel(f"moe_gemm2_{mode}_t{t}"))
+
+
+@functools.lru_cache(maxsize=None)
+def token_tiles(mode: str, kind: str) -> tuple:
+    """Every routing tile a forward of this mode and activation can take: the streaming ones, then the tiles only
+    the wgmma GEMMs run (WIDE_WGMMA_TILE)."""
+    wide = (WIDE_WGMMA_TILE,) if has_wgmma(mode, kind) and all(
+        has_kernel(name) for name in (gemm1_kernel(mode, kind, WIDE_WGMMA_TILE, WGMMA),
+                                      gemm2_kernel(mode, WIDE_WGMMA_TILE, WGMMA))) else ()
+    return streaming_tiles(mode, kind) + wide
 
 
 K_SPLITS = (1, 2, 4)  # CTAs of a cluster that share one GEMM tile's K steps (cluster split-K)
@@ -233,6 +243,10 @@ K_SPLITS = (1, 2, 4)  # CTAs of a cluster that share one GEMM tile's K steps (cl
 # to bf16 for it and GEMM1 stores the FC2 input's quantization decoded, so both GEMMs take wgmma or neither does.
 WGMMA = 0
 WGMMA_TILE = 128
+# 256-row routing tiles run only the wgmma GEMMs (both): each decoded weight stage feeds two 128-token blocks, for
+# experts with 512+ rows on average (wgmma_mainloop.TOKEN_BLOCK).
+WIDE_WGMMA_TILE = 256
+WIDE_TILE_MIN_ROWS = 512
 # The wgmma GEMM2 each kernel mode runs: w4a4's decoded FC2 input and NVFP4 weights are w4a16's.
 _WGMMA_GEMM2_MODE = {"w4a4": "w4a16"}
 X_FORMAT = {"w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}
@@ -256,20 +270,23 @@ def has_wgmma(mode: str, kind: str) -> bool:
     extra = [] if mode == "w4a16" else [f"moe_routing_decode_{X_FORMAT[mode]}"]
     if mode == "w4a4_pt":
         extra.append("moe_fc2_quant_per_token_bf16")
-    return (WGMMA_TILE in token_tiles(mode, kind) and has_kernel(gemm1_kernel(mode, kind, WGMMA_TILE, WGMMA))
+    return (WGMMA_TILE in streaming_tiles(mode, kind) and has_kernel(gemm1_kernel(mode, kind, WGMMA_TILE, WGMMA))
             and has_kernel(gemm2_kernel(mode, WGMMA_TILE, WGMMA)) and all(has_kernel(n) for n in extra))
 
 
 def tactics(tiles: tuple, wgmma: bool = False, mixed: bool = True) -> list[tuple]:
     """Hopper tactics: (routing tile, GEMM1 K split or WGMMA, GEMM2 K split or WGMMA). mixed=False (the quantized
-    modes): WGMMA only as (WGMMA_TILE, WGMMA, WGMMA)."""
-    out = [(t, s1, s2) for t in tiles for s1 in K_SPLITS for s2 in K_SPLITS]
+    modes): WGMMA only as (WGMMA_TILE, WGMMA, WGMMA). A tile outside TOKEN_TILES (WIDE_WGMMA_TILE) runs only as
+    (tile, WGMMA, WGMMA)."""
+    out = [(t, s1, s2) for t in tiles if t in TOKEN_TILES for s1 in K_SPLITS for s2 in K_SPLITS]
     if wgmma and WGMMA_TILE in tiles:
         if mixed:
             out += [(WGMMA_TILE, s1, s2) for s1 in K_SPLITS + (WGMMA,) for s2 in K_SPLITS + (WGMMA,)
                     if WGMMA in (s1, s2)]
         else:
             out.append((WGMMA_TILE, WGMMA, WGMMA))
+    if wgmma:
+        out += [(t, WGMMA, WGMMA) for t in tiles if t not in TOKEN_TILES]
     return out
 
 
@@ -294,10 +311,13 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     """
     local_slots = num_tokens * top_k * num_local_experts / max(1, num_experts)
     per_expert = local_slots / max(1, num_local_experts)
-    roomy = [t for t in tiles if t >= 2 * per_expert]
-    tile = min(roomy) if roomy and min(roomy) <= 64 else max(t for t in tiles if t <= max(64, per_expert))
+    streaming = [t for t in tiles if t in TOKEN_TILES]
+    roomy = [t for t in streaming if t >= 2 * per_expert]
+    tile = min(roomy) if roomy and min(roomy) <= 64 else max(t for t in streaming if t <= max(64, per_expert))
     if wgmma and per_expert >= 16:
         tile = WGMMA_TILE
+    if wgmma and WIDE_WGMMA_TILE in tiles and per_expert >= WIDE_TILE_MIN_ROWS:
+        return (WIDE_WGMMA_TILE, WGMMA, WGMMA)
     # Live tiles: the expected experts hit with 50% margin (a split that overshoots one wave costs more than one
     # that undershoots gains), never more than the slots that can be local.
     hit = expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts)
@@ -403,6 +423,9 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     wgmma = k_splits[0] == WGMMA
     if mode != "w4a16" and wgmma != (k_splits[1] == WGMMA):
         raise ValueError(f"k_splits {k_splits}: in {mode} both GEMMs run the wgmma kernels or neither does")
+    if routing.tile_size not in TOKEN_TILES and k_splits != (WGMMA, WGMMA):
+        raise ValueError(f"k_splits {k_splits}: a {routing.tile_size}-token routing tile runs only the wgmma "
+                         f"kernels, (WGMMA, WGMMA)")
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
     dummy = _dummies(device)
     if problem.quant_mode == "w4a16":

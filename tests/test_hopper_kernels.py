@@ -29,15 +29,17 @@ def check_against_reference(case, fused, every_tile=True, **over):
     assert backend_for(problem) is HOPPER
     expected, gate = reference_and_gate(problem, TOLERANCE[case.mode])
     outs = []
-    tiles = sorted({t[0] for t in HOPPER.tactics(problem)})
+    tiles = sorted({t[0] for t in HOPPER.tactics(problem) if t[0] in launcher.TOKEN_TILES})  # streaming ones
     # every routing tile unsplit, and cluster split-K on both GEMMs with both tiles
     chosen = [(t, 1, 1) for t in tiles] + [(tiles[0], 4, 2), (tiles[-1], 2, 4)]
     if not every_tile:  # the smallest tile unsplit and the largest split: both kernels' paths, half the runs
         chosen = [(tiles[0], 1, 1), (tiles[-1], 2, 4)]
     W = launcher.WGMMA
-    wgmma = [t for t in [(launcher.WGMMA_TILE, W, 1), (launcher.WGMMA_TILE, 2, W), (launcher.WGMMA_TILE, W, W)]
+    wgmma = [t for t in [(launcher.WGMMA_TILE, W, 1), (launcher.WGMMA_TILE, 2, W), (launcher.WGMMA_TILE, W, W),
+                         (launcher.WIDE_WGMMA_TILE, W, W)]
              if t in HOPPER.tactics(problem)]  # the wgmma GEMMs: each and both (w4a16), both (quantized modes)
-    assert wgmma, "every mode links the wgmma GEMMs"
+    assert (launcher.WGMMA_TILE, W, W) in wgmma and (launcher.WIDE_WGMMA_TILE, W, W) in wgmma, \
+        "every mode links the wgmma GEMMs on both tiles"
     chosen += wgmma
     for tactic in chosen:
         poisoned = torch.full_like(expected, float("nan"))

@@ -26,9 +26,10 @@ def test_every_shipped_kernel_compiles_for_sm90a(built_kernels):
         gemms += [f"moe_gemm1_{mode}_{kind}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
         gemms += [f"moe_gemm2_{mode}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")]
-    gemms += [f"moe_gemm1_{mode}_{kind}_t128_wgmma" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
-              for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
-    gemms += [f"moe_gemm2_{mode}_t128_wgmma" for mode in ("w4a16", "w4a4_pt", "w4a8")]
+    for tokens in (128, 256):
+        gemms += [f"moe_gemm1_{mode}_{kind}_t{tokens}_wgmma" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
+                  for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
+        gemms += [f"moe_gemm2_{mode}_t{tokens}_wgmma" for mode in ("w4a16", "w4a4_pt", "w4a8")]
     assert names == ["moe_routing", *gemms, "moe_routing_decode_nvfp4", "moe_routing_decode_mxfp8",
                      "moe_fc2_quant_per_token", "moe_fc2_quant_per_token_bf16", "moe_finalize"]
     table = (tmp_path / "kernel_table.inc").read_text()
@@ -75,7 +76,10 @@ def test_launcher_knows_the_compiled_token_tiles():
     from moe_ext import launcher
     from moe_ext.kernels.sm90 import stream
 
+    from moe_ext.kernels.sm90 import wgmma_mainloop
+
     assert launcher.TOKEN_TILES == stream.TOKEN_TILES
+    assert (launcher.WGMMA_TILE, launcher.WIDE_WGMMA_TILE) == wgmma_mainloop.TILES
 
 
 def test_launcher_table_generation_from_a_header(tmp_path):
@@ -206,7 +210,8 @@ def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernel
         kernel_sass.nvdisasm()
     except SystemExit:
         pytest.skip("nvdisasm not available")
-    for name in ("moe_gemm1_w4a16_swiglu_t128_wgmma", "moe_gemm2_w4a16_t128_wgmma", "moe_gemm2_w4a8_t128_wgmma"):
+    for name in ("moe_gemm1_w4a16_swiglu_t128_wgmma", "moe_gemm2_w4a16_t128_wgmma", "moe_gemm2_w4a8_t128_wgmma",
+                 "moe_gemm1_w4a16_swiglu_t256_wgmma", "moe_gemm2_w4a16_t256_wgmma", "moe_gemm1_w4a8_relu2_t256_wgmma"):
         listing = kernel_sass.sass(str(built_kernels / f"{name}.o"))
         counts = kernel_sass.opcode_counts(listing)
         assert counts["HGMMA"] >= 4 and re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", listing), name  # A from registers

@@ -128,6 +128,17 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     # 8 experts x 16 rows: GEMM2's 8 x 8 CTAs split K; w4a16 runs GEMM1 on wgmma, the quantized modes neither.
     assert launcher.default_tactic(128, 1, 8, 8, 2048, 1024, tiles, 132, True) == (128, W, 2)
     assert launcher.default_tactic(128, 1, 8, 8, 2048, 1024, tiles, 132, True, mixed=False) == (128, 1, 2)
+    # The 256-token tile runs only the wgmma GEMMs, both, and is the default from 512 rows per expert on (Mixtral
+    # at T=4096: 1024); 128 rows per expert (DeepSeek-V3 at T=4096) stay on 128.
+    wide = tiles + (launcher.WIDE_WGMMA_TILE,)
+    assert set(launcher.tactics(wide, wgmma=True)) - set(launcher.tactics(tiles, wgmma=True)) == {(256, W, W)}
+    assert set(launcher.tactics(wide, wgmma=True, mixed=False)) - set(launcher.tactics(tiles)) == {
+        (128, W, W), (256, W, W)}
+    assert launcher.tactics(wide) == launcher.tactics(tiles)  # without the wgmma GEMMs linked, no 256 tactic
+    assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, wide, 132, wgmma=True) == (256, W, W)
+    assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, wide, 132, True, mixed=False) == (256, W, W)
+    assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, wide, 132, wgmma=True) == (128, W, W)
+    assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, wide, 132)[0] == 128  # no wgmma: streaming
 
 
 def test_tuning_times_candidates_on_a_stand_in_routing_not_on_the_callers(tuner):

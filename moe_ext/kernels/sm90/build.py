@@ -33,7 +33,8 @@ def specialisations():
     """(export name, compile function) of every kernel the launcher links."""
     import functools
 
-    from . import activations, fc2_quant_per_token, finalize, gemm1, gemm1_wgmma, gemm2, gemm2_wgmma, routing, stream
+    from . import (activations, fc2_quant_per_token, finalize, gemm1, gemm1_wgmma, gemm2, gemm2_wgmma, routing, stream,
+                   wgmma_mainloop)
 
     specs = [("moe_routing", routing.compile_routing)]
     for tokens in stream.TOKEN_TILES:
@@ -44,12 +45,16 @@ def specialisations():
                                   functools.partial(gemm1.compile_gemm1, mode, kind, tokens)))
         specs += [(f"moe_gemm2_{mode}_t{tokens}", functools.partial(gemm2.compile_gemm2, mode, tokens))
                   for mode in gemm2.MODES]
-    # The warp-specialised wgmma GEMMs for large T (128-token routing tiles, bf16 operands), the routing launches
-    # that also decode quantized activations for them, and the per-token quantizer that writes decoded bf16.
-    specs += [(f"moe_gemm1_{mode}_{kind}_t128_wgmma", functools.partial(gemm1_wgmma.compile_gemm1_wgmma, mode, kind))
-              for mode in gemm1_wgmma.MODES for kind in activations.KINDS if not (mode == "w4a8" and kind == "situ")]
-    specs += [(f"moe_gemm2_{mode}_t128_wgmma", functools.partial(gemm2_wgmma.compile_gemm2_wgmma, mode))
-              for mode in gemm2_wgmma.MODES]
+    # The warp-specialised wgmma GEMMs for large T (128- and 256-token routing tiles, bf16 operands), the routing
+    # launches that also decode quantized activations for them, and the per-token quantizer that writes decoded bf16.
+    for tokens in wgmma_mainloop.TILES:
+        specs += [(f"moe_gemm1_{mode}_{kind}_t{tokens}_wgmma",
+                   functools.partial(gemm1_wgmma.compile_gemm1_wgmma, mode, kind, tile=tokens))
+                  for mode in gemm1_wgmma.MODES for kind in activations.KINDS
+                  if not (mode == "w4a8" and kind == "situ")]
+        specs += [(f"moe_gemm2_{mode}_t{tokens}_wgmma", functools.partial(gemm2_wgmma.compile_gemm2_wgmma, mode,
+                                                                          tile=tokens))
+                  for mode in gemm2_wgmma.MODES]
     specs += [(f"moe_routing_decode_{fmt}", functools.partial(routing.compile_routing_decode, fmt))
               for fmt in routing.DECODE_FORMATS]
     specs += [("moe_fc2_quant_per_token", fc2_quant_per_token.compile_fc2_quant),

@@ -33,8 +33,8 @@ MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 _GROUP = {"w4a16": 8, "w4a4": 16, "w4a4_pt": 8, "w4a8": 32}
 
 
-def config_for(mode: str) -> mainloop.WgmmaConfig:
-    return mainloop.WgmmaConfig(sf_block=32 if mode == "w4a8" else 16)
+def config_for(mode: str, tile: int = 128) -> mainloop.WgmmaConfig:
+    return mainloop.config_for_tile(tile, 32 if mode == "w4a8" else 16)
 
 
 def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
@@ -123,5 +123,5 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
     return launch
 
 
-def compile_gemm1_wgmma(mode: str, kind: str, options: str):
-    return gemm1.compile_launch(make_kernel(mode, kind), options)
+def compile_gemm1_wgmma(mode: str, kind: str, options: str, tile: int = 128):
+    return gemm1.compile_launch(make_kernel(mode, kind, config_for(mode, tile)), options)

@@ -96,5 +96,5 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
     return launch
 
 
-def compile_gemm2_wgmma(mode: str, options: str):
-    return gemm2.compile_launch(make_kernel(mode), options)
+def compile_gemm2_wgmma(mode: str, options: str, tile: int = 128):
+    return gemm2.compile_launch(make_kernel(mode, gemm1_wgmma.config_for(mode, tile)), options)

@@ -2,10 +2,12 @@
 consumers straight into the wgmma's register A operand, gathered bf16 token rows as B from shared memory, fp32
 accumulators.
 
-CTA tile: 128 weight rows (the wgmma M side, two consumer warpgroups of 64) x 128 routed token rows (N: one routing
-tile of one local expert) x all of K in stages of 64, `stages` deep. Persistent: `ctas` CTAs (one per SM) loop
-over the work items (routing tile, column tile); each role carries its ring states from one item to the next, so
-the copier fills the next item's stages while the consumers run this item's epilogue out of their own s_c.
+CTA tile: 128 weight rows (the wgmma M side, two consumer warpgroups of 64) x 128 or 256 routed token rows (one
+routing tile of one local expert, in blocks of 128: one wgmma N each) x all of K in stages of 64, `stages` deep.
+A 256-row tile decodes each weight stage once for both blocks (twice the MMA per decode instruction).
+Persistent: `ctas` CTAs (one per SM) loop over the work items (routing tile, column tile); each role carries its
+ring states from one item to the next, so the copier fills the next item's stages while the consumers run this
+item's epilogue out of their own s_c.
 384 threads, two roles:
 
   warpgroup 0, copier (setmaxnreg down)
@@ -53,11 +55,15 @@ WARPGROUP = 128
 ACCUMULATOR_SCALE = TWO_P63
 COPIER, FIRST_CONSUMER = 0, 1  # warpgroups
 CONSUMERS = 256
+# Token rows of one wgmma N and one s_c pass; a 256-row routing tile is two such blocks sharing each decoded weight
+# fragment (two m64n128k16 per k16 block), so a stage's decode feeds twice the MMA.
+TOKEN_BLOCK = 128
+TILES = (128, 256)  # the routing tiles the wgmma GEMMs are built for
 
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    bm: int = 128  # routed rows per CTA (= the routing tile)
+    bm: int = 128  # routed rows per CTA (= the routing tile): 128 or 256
     bn: int = 128  # weight rows per CTA
     bk: int = 64  # K per stage: 128 bytes of bf16 = one 128B-swizzle row
     stages: int = 6  # token tile + raw weight ring depth (20.5 KB a stage)
@@ -80,8 +86,13 @@ class WgmmaConfig:
     def pitch(self) -> int:
         return self.bn + self.pad
 
+    @property
+    def blocks(self) -> int:
+        """Token blocks of TOKEN_BLOCK rows in the routing tile."""
+        return self.bm // TOKEN_BLOCK
+
     def check(self) -> None:
-        assert self.bm == 128 and self.bn == 128, "the thread mappings assume a 128 x 128 tile"
+        assert self.bm in (128, 256) and self.bn == 128, "the thread mappings assume 128 weight rows, 128-row blocks"
         assert self.bk == 64, "one stage must be one 4-block group of the 128x4 scale layout"
         assert self.stages >= 3, "the consumers hold up to two stages (wgmma wait_group(1))"
         assert self.bn == 2 * 64, "two consumer warpgroups of 64 weight rows (the register A operand's M)"
@@ -93,17 +104,25 @@ class WgmmaConfig:
 DEFAULT = WgmmaConfig()
 
 
+def config_for_tile(tile: int, sf_block: int) -> WgmmaConfig:
+    """The config of a routing tile: a 256-row tile holds two token blocks a stage (36.5 KB: 4 stages with s_c) and
+    two accumulators (setmaxnreg 56 / 224: the copier keeps 16 gather addresses)."""
+    if tile == 256:
+        return WgmmaConfig(bm=256, stages=4, copier_regs=56, consumer_regs=224, sf_block=sf_block)
+    return WgmmaConfig(sf_block=sf_block)
+
+
 def make_tiled_mma(cfg: WgmmaConfig):
     """bf16 x bf16 -> fp32, swap-AB: A = weight rows from registers (M, two consumer warpgroups of 64 stacked),
     B = token rows from shared memory (N = bm), both K-major. Call inside a jit."""
     return sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                             (2, 1, 1), tiler_mn=(64, cfg.bm), a_source=OperandSource.RMEM)
+                                             (2, 1, 1), tiler_mn=(64, TOKEN_BLOCK), a_source=OperandSource.RMEM)
 
 
 def token_layout(cfg: WgmmaConfig):
-    """128B-swizzled K-major stage layout of the token tile (bm rows x bk, the wgmma B operand), `stages` deep.
-    Call inside a jit."""
-    return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (cfg.bn, cfg.bm, cfg.bk), BFloat16, cfg.stages)
+    """128B-swizzled K-major stage layout of one token block (TOKEN_BLOCK rows x bk, the wgmma B operand),
+    `stages` deep. Call inside a jit."""
+    return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (cfg.bn, TOKEN_BLOCK, cfg.bk), BFloat16, cfg.stages)
 
 
 def make_storage(cfg: WgmmaConfig, tok_layout):
@@ -115,7 +134,7 @@ def make_storage(cfg: WgmmaConfig, tok_layout):
         raw_codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * cfg.bn * cfg.bk // 2], 1024]
         raw_scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * 512], 16]
         scale_lut: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 256 * 4], 16]  # bf16x2 per scale byte
-        tokens: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(tok_layout)], 1024]
+        tokens: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.blocks * cute.cosize(tok_layout)], 1024]
         sC: cute.struct.Align[cute.struct.MemRange[Float32, cfg.bm * cfg.pitch], 16]
 
     return Storage
@@ -136,7 +155,10 @@ def allocate(cfg: WgmmaConfig, tok_layout):
                                                                                       WARPGROUP + 1),
                                              consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                                                       CONSUMERS))
-    return (st.tokens.get_tensor(tok_layout.outer, swizzle=tok_layout.inner),
+    block = cute.cosize(tok_layout)  # elements; a multiple of the swizzle's 1024 bytes
+    tokens = [cute.make_tensor(cute.recast_ptr(st.tokens.data_ptr() + b * block, tok_layout.inner, dtype=BFloat16),
+                               tok_layout.outer) for b in range(cfg.blocks)]
+    return (tokens,
             st.sC.get_tensor(cute.make_layout((cfg.bm, cfg.bn), stride=(cfg.pitch, 1))),
             st.raw_codes.data_ptr().toint(), st.raw_scales.data_ptr().toint(), st.scale_lut.data_ptr().toint(),
             copied)
@@ -158,13 +180,13 @@ class WorkItem:
 # Copier (warpgroup 0)
 # ----------------------------------------------------------------------------------------------------------------
 def token_copy_partition(cfg: WgmmaConfig, tokens, tid):
-    """Thread t copies 16-byte chunk t % 8 of rows t // 8 + 16 i (i < 8) of each token stage. Returns the cp.async
-    atom, the token tile's partition ((8,1), 8, 1, stages) and the (m, k) coordinate of each chunk."""
+    """Thread t copies 16-byte chunk t % 8 of rows t // 8 + 16 i (i < 8) of each stage of one token block. Returns
+    the cp.async atom, the block's partition ((8,1), 8, 1, stages) and the (m, k) coordinate of each chunk."""
     cp_atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                   BFloat16, num_bits_per_copy=128)
     g2s = cute.make_tiled_copy_tv(cp_atom, cute.make_layout((WARPGROUP // 8, 8), stride=(8, 1)),
                                   cute.make_layout((1, 8))).get_slice(tid)
-    return cp_atom, g2s.partition_D(tokens), g2s.partition_D(cute.make_identity_tensor((cfg.bm, cfg.bk)))
+    return cp_atom, g2s.partition_D(tokens), g2s.partition_D(cute.make_identity_tensor((TOKEN_BLOCK, cfg.bk)))
 
 
 def token_sources(tAcA, a_base: Int64, a_row_offset) -> cute.Tensor:
@@ -277,8 +299,10 @@ def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_sc
     token tile starts `a_row_offset(m)` bytes past `a_base` (bf16, 16-byte aligned rows); the weight rows are
     [first_row, first_row + 128) of `expert` in the 4-bit `w` of `rows_per_expert` rows and K = k_extent, block
     scales `w_sf` (cfg.sf_block). The copier waits for its last copies once, after its last item."""
-    cp_atom, tAsA, tAcA = token_copy_partition(cfg, tokens, tid)
-    a_src = token_sources(tAcA, a_base, a_row_offset)
+    blocks = []  # (cp.async atom, block partition, gather addresses) of each token block
+    for b in cutlass.range_constexpr(cfg.blocks):
+        cp_atom, tAsA, tAcA = token_copy_partition(cfg, tokens[b], tid)
+        blocks.append((cp_atom, tAsA, token_sources(tAcA, a_base, lambda m: a_row_offset(m + b * TOKEN_BLOCK))))
     ring = cute.make_tensor(cute.make_ptr(cutlass.Uint8, raw_codes, cute.AddressSpace.smem, assumed_align=1024),
                             cute.make_layout((1, cfg.bn, cfg.bk // 2, cfg.stages),
                                              stride=(0, cfg.bk // 2, 1, cfg.bn * cfg.bk // 2)))
@@ -293,7 +317,8 @@ def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_sc
         copied.producer_acquire(fill)  # the consumers are done with the stage's tokens and raw weights
         if warp == 0:
             issue_b_stage(cfg, copied, fill, tma_atom, boxes, slots, sf_tile, kt, tid % 32)
-        issue_token_stage(cfg, cp_atom, tAsA, a_src, kt, fill.index)
+        for cp_atom, tAsA, a_src in blocks:
+            issue_token_stage(cfg, cp_atom, tAsA, a_src, kt, fill.index)
         copied.producer_commit(fill)  # cp.async.mbarrier.arrive.noinc: lands with this thread's copies
         fill.advance()
     return fill
@@ -312,18 +337,21 @@ def drain_copies():
 
 
 @cute.jit
-def mma_stage(cfg: cutlass.Constexpr, copied, tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor,
-              tCrB: cute.Tensor, a_words: cute.Tensor, ring: RawRing, ring8: RawRing, pick: Int32, lut: Int32, kt,
+def mma_stage(cfg: cutlass.Constexpr, copied, tiled_mma: cute.TiledMma, accs, tCrA: cute.Tensor, tCrBs,
+              a_words: cute.Tensor, ring: RawRing, ring8: RawRing, pick: Int32, lut: Int32, kt,
               buf: cutlass.Constexpr, read, release):
     """One K stage: wait for its copies, decode its weights into register buffer `buf` (k-blocks 4 buf .. 4 buf + 3
-    of tCrA), issue its wgmmas, then retire the previous stage's (so its tokens are released and its register
-    buffer, the other one, may be written again by the next stage). Returns the ring states advanced."""
+    of tCrA), issue its wgmmas (each token block's, accs[b] += A . tCrBs[b]), then retire the previous stage's (so
+    its tokens are released and its register buffer, the other one, may be written again by the next stage).
+    Returns the ring states advanced."""
     k_blocks = cfg.bk // 16
     copied.consumer_wait(read)
     decode_a_stage(cfg, ring, ring8, pick, lut, a_words, 4 * k_blocks * buf, read.index, kt)
     cute.nvgpu.warpgroup.fence()
     for kb in cutlass.range_constexpr(k_blocks):
-        cute.gemm(tiled_mma, acc, tCrA[(None, None, k_blocks * buf + kb)], tCrB[(None, None, kb, read.index)], acc)
+        for acc, tCrB in zip(accs, tCrBs):
+            cute.gemm(tiled_mma, acc, tCrA[(None, None, k_blocks * buf + kb)], tCrB[(None, None, kb, read.index)],
+                      acc)
     cute.nvgpu.warpgroup.commit_group()
     cute.nvgpu.warpgroup.wait_group(1)
     if kt > 0:
@@ -335,19 +363,21 @@ def mma_stage(cfg: cutlass.Constexpr, copied, tiled_mma: cute.TiledMma, acc: cut
 
 @cute.jit
 def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_scales: Int32, lut: Int32,
-            tiled_mma: cute.TiledMma, wg, ctid, k_extent, read, release):
-    """acc (64 weight rows per warpgroup x bm tokens) = A . tokens^T over all K stages of one work item, A decoded
-    from each stage's raw slot straight into the wgmma's register operand. Two register buffers alternate by
-    stage: a stage decodes into one while the previous stage's wgmmas, reading the other, are still in flight
-    (an in-flight wgmma's A registers must not be written). Then the tile is staged transposed into s_c
-    [token][weight row] and synchronised across both consumer warpgroups. Returns the ring states advanced."""
+            tiled_mma: cute.TiledMma, wg, ctid, k_extent, read, release, finish: cutlass.Constexpr):
+    """acc (64 weight rows per warpgroup x TOKEN_BLOCK tokens, one per token block) = A . tokens^T over all K
+    stages of one work item, A decoded from each stage's raw slot straight into the wgmma's register operand. Two
+    register buffers alternate by stage: a stage decodes into one while the previous stage's wgmmas, reading the
+    other, are still in flight (an in-flight wgmma's A registers must not be written). Then, block by block, the
+    accumulator is staged transposed into s_c [token][weight row], synchronised across both consumer warpgroups,
+    and `finish(b)` runs the epilogue of token block b. Returns the ring states advanced."""
     thr_wg = tiled_mma.get_slice((wg - FIRST_CONSUMER) * WARPGROUP)
-    tCrB = tiled_mma.make_fragment_B(thr_wg.partition_B(tokens))  # smem descriptors (MMA, N, K, stages)
+    tCrBs = [tiled_mma.make_fragment_B(thr_wg.partition_B(t)) for t in tokens]  # smem descriptors (MMA, N, K, stages)
     tCrA = tiled_mma.make_fragment_A(thr_wg.partition_shape_A((cfg.bn, 2 * cfg.bk)))  # registers, 2 buffers
     a_words = cute.recast_tensor(tCrA, Int32)
-    tCcC = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((cfg.bn, cfg.bm)))
-    acc = cute.make_rmem_tensor(tCcC.shape, Float32)
-    acc.fill(0.0)
+    tCcC = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((cfg.bn, TOKEN_BLOCK)))
+    accs = [cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(cfg.blocks)]
+    for acc in accs:
+        acc.fill(0.0)
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
     lane = ctid % 32
     row = (ctid // 32) * 16 + lane // 4  # warp w of the two warpgroups: weight rows 16 w .. 16 w + 15
@@ -358,21 +388,23 @@ def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_s
     stages = k_extent // cfg.bk
     for pair in cutlass.range(stages // 2, unroll=1):
         for buf in cutlass.range_constexpr(2):
-            read, release = mma_stage(cfg, copied, tiled_mma, acc, tCrA, tCrB, a_words, ring, ring8, pick, lut,
+            read, release = mma_stage(cfg, copied, tiled_mma, accs, tCrA, tCrBs, a_words, ring, ring8, pick, lut,
                                       2 * pair + buf, buf, read, release)
     for kt in cutlass.range(stages - stages % 2, stages, unroll=1):  # an odd last stage: buffer 0 is free
-        read, release = mma_stage(cfg, copied, tiled_mma, acc, tCrA, tCrB, a_words, ring, ring8, pick, lut, kt,
+        read, release = mma_stage(cfg, copied, tiled_mma, accs, tCrA, tCrBs, a_words, ring, ring8, pick, lut, kt,
                                   0, read, release)
     cute.nvgpu.warpgroup.wait_group(0)
     copied.consumer_release(release)
     release.advance()
 
     consumers = pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMERS)
-    consumers.arrive_and_wait()  # every consumer thread is done reading the previous item's s_c
-    for i in cutlass.range_constexpr(cute.size(acc)):
-        m, n = tCcC[i]
-        s_c[(n, m)] = acc[i]
-    consumers.arrive_and_wait()
+    for b in cutlass.range_constexpr(cfg.blocks):
+        consumers.arrive_and_wait()  # every consumer thread is done reading s_c (the previous block or item)
+        for i in cutlass.range_constexpr(cute.size(accs[b])):
+            m, n = tCcC[i]
+            s_c[(n, m)] = accs[b][i]
+        consumers.arrive_and_wait()
+        finish(b)
     return read, release
 
 
@@ -393,9 +425,9 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
               epilogue: cutlass.Constexpr):
     """Every role of a wgmma GEMM over its work items (`live` routing tiles x rows_per_expert / bn column tiles):
     the copier gathers token row m of an item from `a_row_offset(item, m)` bytes past `a_base`, the weights are
-    `tma_w` / `w_sf` (K = k_extent), and after each item, with the item's fp32 tile in s_c, each consumer thread
-    calls `epilogue(item, s_c, r, half, row)` for its tile row r (routed row `row`, valid) and column half
-    (epilogue_thread); the tile holds the products times 2^-63 (ACCUMULATOR_SCALE)."""
+    `tma_w` / `w_sf` (K = k_extent), and after each item, for each token block with its fp32 tile in s_c, each
+    consumer thread calls `epilogue(item, s_c, r, half, row)` for its s_c row r (routed row `row`, valid) and
+    column half (epilogue_thread); the tile holds the products times 2^-63 (ACCUMULATOR_SCALE)."""
     wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
     items = live * (rows_per_expert // cfg.bn)
     tokens, s_c, raw_codes, raw_scales, lut, copied = allocate(cfg, tok_layout)
@@ -417,9 +449,12 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
         _, release = ring_states(cfg)
         for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
             item = WorkItem(cfg, w, live, tile_to_expert, tile_to_mn_limit)
-            read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, tiled_mma, wg, ctid,
-                                    k_extent, read, release)
             r, half = epilogue_thread(ctid)
-            row = item.row0 + r
-            if row < item.limit:
-                epilogue(item, s_c, r, half, row)
+
+            def finish(b):  # the epilogue of token block b of this item, out of s_c
+                row = item.row0 + b * TOKEN_BLOCK + r
+                if row < item.limit:
+                    epilogue(item, s_c, r, half, row)
+
+            read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, tiled_mma, wg, ctid,
+                                    k_extent, read, release, finish)
