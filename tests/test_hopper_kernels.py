@@ -38,8 +38,7 @@ def check_against_reference(case, fused, every_tile=True, **over):
     wgmma = [t for t in [(launcher.WGMMA_TILE, W, 1), (launcher.WGMMA_TILE, 2, W), (launcher.WGMMA_TILE, W, W),
                          (launcher.WIDE_WGMMA_TILE, W, W)]
              if t in HOPPER.tactics(problem)]  # the wgmma GEMMs: each and both (w4a16), both (quantized modes)
-    assert (launcher.WGMMA_TILE, W, W) in wgmma and (launcher.WIDE_WGMMA_TILE, W, W) in wgmma, \
-        "every mode links the wgmma GEMMs on both tiles"
+    assert (launcher.WGMMA_TILE, W, W) in wgmma, "every mode links the wgmma GEMMs"  # and the 256 tile's, when built
     chosen += wgmma
     for tactic in chosen:
         poisoned = torch.full_like(expected, float("nan"))
