@@ -489,6 +489,44 @@ def capture_graphs(forwards: list[Callable[[], torch.Tensor]]) -> tuple[list[tor
     return graphs, outputs
 
 
+# The last field is named clocks_event_reasons on newer drivers; gpu_state retries without it if it is refused.
+GPU_STATE_QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+
+
+def parse_gpu_state(line: str) -> dict:
+    """One `nvidia-smi --query-gpu=... --format=csv,noheader,nounits` line of GPU_STATE_QUERY's fields as record
+    fields; a field the driver reports as unsupported is left out."""
+    values = [v.strip() for v in line.split(",")]
+    out = {}
+    for name, value in zip(("sm_clock_mhz", "power_w", "temperature_c"), values):
+        try:
+            out[name] = float(value)
+        except ValueError:
+            pass
+    if len(values) > 3 and values[3].startswith("0x"):
+        out["clock_event_reasons"] = values[3]
+    return out
+
+
+def gpu_state(device: torch.device) -> dict:
+    """SM clock, power, temperature and active clock-event (throttle) reasons right after a point's timed replays,
+    so a slow point can be told from a throttled one; {} where nvidia-smi cannot answer."""
+    if device.type != "cuda":
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    full = GPU_STATE_QUERY.split(",")
+    for fields in (full, full[:3]):
+        try:
+            lines = subprocess.run(["nvidia-smi", f"--id={index}", f"--query-gpu={','.join(fields)}",
+                                    "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10,
+                                   check=True).stdout.strip().splitlines()
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if lines:
+            return parse_gpu_state(lines[0])
+    return {}
+
+
 def _keep_gpu_busy(replays: int) -> None:
     """Queue a spin kernel long enough (~25 us per replay) for the host to enqueue every replay behind it, so
     each replay starts as soon as the previous one ends and no sample includes host launch latency."""
@@ -587,8 +625,9 @@ def timed(run: Run, point: Point, forwards: list[Callable[[], torch.Tensor]], st
     magnitudes never overflow, so a NaN marks a broken run rather than a slow one."""
     graphs, outputs = capture_graphs(forwards)
     samples = time_replays(graphs, run.args.warmup, run.args.iters, run.args.max_seconds_per_point)
+    state = gpu_state(run.device)
     finite = all(bool(torch.isfinite(out).all()) for out in outputs)
-    return build_record(point, samples, stats, run.meta, graphs=len(graphs), output_finite=finite, **extra)
+    return build_record(point, samples, stats, run.meta, graphs=len(graphs), output_finite=finite, **state, **extra)
 
 
 def measure_moe_ext(run: Run, point: Point, pairs: list[tuple], stats: RoutingStats, copies: int) -> dict:

@@ -397,3 +397,18 @@ def test_entry_points_without_gpu_exit_cleanly(script, monkeypatch, capsys):
         runpy.run_path(str(ROOT / script), run_name="__main__")
     assert exited.value.code == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_gpu_state_fields_from_an_nvidia_smi_line():
+    assert bench.parse_gpu_state("1785, 612.40, 63, 0x0000000000000004") == {
+        "sm_clock_mhz": 1785.0, "power_w": 612.4, "temperature_c": 63.0, "clock_event_reasons": "0x0000000000000004"}
+    assert bench.parse_gpu_state("1980, [N/A], 41") == {"sm_clock_mhz": 1980.0, "temperature_c": 41.0}
+
+
+def test_gpu_state_without_nvidia_smi_is_empty(monkeypatch):
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(bench.subprocess, "run", missing)
+    assert bench.gpu_state(torch.device("cuda", 0)) == {}
+    assert bench.gpu_state(torch.device("cpu")) == {}

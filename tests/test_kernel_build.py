@@ -1,5 +1,6 @@
 """The sm_90a kernels compile ahead of time without a GPU (CI runs this on a machine without one)."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -9,8 +10,16 @@ import pytest
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl not installed")
 
 
-def test_every_shipped_kernel_compiles_for_sm90a(tmp_path):
-    subprocess.run([sys.executable, "-m", "moe_ext.kernels.sm90.build", str(tmp_path)], check=True)
+@pytest.fixture(scope="module")
+def built_kernels(tmp_path_factory):
+    """Every shipped kernel, built once for this module's tests."""
+    out = tmp_path_factory.mktemp("kernels")
+    subprocess.run([sys.executable, "-m", "moe_ext.kernels.sm90.build", str(out)], check=True)
+    return out
+
+
+def test_every_shipped_kernel_compiles_for_sm90a(built_kernels):
+    tmp_path = built_kernels
     names = (tmp_path / "kernels.txt").read_text().split()
     gemms = []
     for tokens in (8, 16, 32, 64, 128):
@@ -202,3 +211,21 @@ def test_wgmma_raster_visits_every_work_item_once_a_group_at_a_time(live, column
         block = order[w:w + size * columns]
         assert block == [(first + i % size, i // size) for i in range(size * columns)]
         w += size * columns
+
+
+
+def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernels):
+    """The persistent wgmma GEMMs' SASS (read by scripts/kernel_sass.py from the exported objects) has register A
+    wgmmas and no local-memory traffic: a spill there would sit in the decode loop of every stage."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import kernel_sass
+
+    try:
+        kernel_sass.nvdisasm()
+    except SystemExit:
+        pytest.skip("nvdisasm not available")
+    for name in ("moe_gemm1_w4a16_swiglu_t128_wgmma", "moe_gemm2_w4a16_t128_wgmma", "moe_gemm2_w4a8_t128_wgmma"):
+        listing = kernel_sass.sass(str(built_kernels / f"{name}.o"))
+        counts = kernel_sass.opcode_counts(listing)
+        assert counts["HGMMA"] >= 4 and re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", listing), name  # A from registers
+        assert counts["LDL"] + counts["STL"] == 0, name

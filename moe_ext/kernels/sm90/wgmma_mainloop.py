@@ -27,8 +27,8 @@ wgmmas): no decoded sB round trip, no proxy fence, and each stage moves about 57
 previous stage's wgmmas. Measured at T = 4096 on five shapes (benchmarks/results/h200_session12_checks.md): GEMM1
 1.11-1.22x and GEMM2 1.15-1.21x faster than the shared-memory form; the same register-A form with the shared-memory
 form's decode (block scales decoded in registers, 253 SASS a stage) ran 0.96-1.05x: the consumers' decode
-instructions, not shared memory, bound it. Scale range: exact for every e4m3 scale and ue8m0 scales in [2^-62, 2^64], as the streaming
-kernels (stream.py).
+instructions, not shared memory, bound it. Scale range: exact for every e4m3 scale and ue8m0 scales in
+[2^-62, 2^64], as the streaming kernels (stream.py).
 """
 # (no `from __future__ import annotations`: cute.struct reads its annotations as live objects)
 from dataclasses import dataclass
@@ -126,9 +126,10 @@ def make_storage(cfg: WgmmaConfig, tok_layout):
 
 def allocate(cfg: WgmmaConfig, tok_layout):
     """(token tile, s_c, raw code ring address, raw scale ring address, scale table address, copied): the CTA's
-    shared memory and its pipeline; all threads call it. Kernels keep the pieces as separate locals (a runtime branch turns the Python
-    ints inside a carried tuple into runtime values). `copied` counts the copier's 128 cp.async arrivals and the
-    one expect_tx arrival of the TMA bytes per stage; its empty side counts the 256 consumer threads' releases.
+    shared memory and its pipeline; all threads call it. Kernels keep the pieces as separate locals (a runtime
+    branch turns the Python ints inside a carried tuple into runtime values). `copied` counts the copier's 128
+    cp.async arrivals and the one expect_tx arrival of the TMA bytes per stage; its empty side counts the 256
+    consumer threads' releases.
     The token tile (bm, bk, stages) carries its swizzle in the pointer; s_c is fp32 (bm, bn) [token][weight row]
     with row pitch cfg.pitch, the accumulator tile for the epilogue (its own memory: the ring already holds the
     next work item's stages while the epilogue reads it)."""

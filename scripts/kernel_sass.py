@@ -1,0 +1,89 @@
+"""SASS of exported kernel objects, without a GPU: the sm_90a cubin inside each `.o` that
+`python3 -m moe_ext.kernels.sm90.build` writes, disassembled with nvdisasm (PATH, $NVDISASM or Triton's copy).
+
+    python3 scripts/kernel_sass.py .kernels/moe_gemm2_w4a16_t128_wgmma.o            # opcode counts, local memory
+    python3 scripts/kernel_sass.py --sass .kernels/moe_gemm2_w4a16_t128_wgmma.o     # the whole listing
+"""
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+EM_CUDA = 190
+
+
+def _u(data: bytes, offset: int, size: int) -> int:
+    return int.from_bytes(data[offset:offset + size], "little")
+
+
+def embedded_cubin(obj: bytes) -> bytes:
+    """The first CUDA ELF inside a host object, cut at the end of its last section or segment."""
+    start = obj.find(b"\x7fELF", 4)
+    while start != -1 and _u(obj, start + 18, 2) != EM_CUDA:
+        start = obj.find(b"\x7fELF", start + 4)
+    if start == -1:
+        raise ValueError("no CUDA ELF inside the object")
+    elf = obj[start:]
+    shoff, shentsize, shnum = _u(elf, 40, 8), _u(elf, 58, 2), _u(elf, 60, 2)
+    phoff, phentsize, phnum = _u(elf, 32, 8), _u(elf, 54, 2), _u(elf, 56, 2)
+    end = max(shoff + shnum * shentsize, phoff + phnum * phentsize)
+    for i in range(shnum):
+        header = shoff + i * shentsize
+        if _u(elf, header + 4, 4) != 8:  # SHT_NOBITS occupies no file bytes
+            end = max(end, _u(elf, header + 24, 8) + _u(elf, header + 32, 8))
+    for i in range(phnum):
+        header = phoff + i * phentsize
+        end = max(end, _u(elf, header + 8, 8) + _u(elf, header + 32, 8))
+    return elf[:end]
+
+
+def nvdisasm() -> str:
+    found = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
+    if not found:
+        try:
+            import triton
+            found = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+        except ImportError:
+            pass
+    if not found or not os.path.exists(found):
+        raise SystemExit("nvdisasm not found: put it on PATH or set NVDISASM")
+    return found
+
+
+def sass(path: str) -> str:
+    with open(path, "rb") as f:
+        cubin = embedded_cubin(f.read())
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
+        tmp.write(cubin)
+        tmp.flush()
+        return subprocess.run([nvdisasm(), "-c", tmp.name], capture_output=True, text=True, check=True).stdout
+
+
+def opcode_counts(listing: str) -> collections.Counter:
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", listing)
+    return collections.Counter(op for op in ops)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("objects", nargs="+")
+    parser.add_argument("--sass", action="store_true", help="print the whole listing")
+    args = parser.parse_args(argv)
+    for path in args.objects:
+        listing = sass(path)
+        if args.sass:
+            sys.stdout.write(listing)
+            continue
+        counts = opcode_counts(listing)
+        local = counts["LDL"] + counts["STL"]
+        top = ", ".join(f"{op} {n}" for op, n in counts.most_common(12))
+        print(f"{os.path.basename(path)}: {sum(counts.values())} instructions, local memory ops {local}; {top}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
