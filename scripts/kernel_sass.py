@@ -68,6 +68,16 @@ def opcode_counts(listing: str) -> collections.Counter:
     return collections.Counter(op for op in ops)
 
 
+def mainloop_local_ops(listing: str) -> int:
+    """Local-memory loads and stores between a kernel's first and last HGMMA: spills inside the wgmma mainloop
+    (values that only cross the setmaxnreg branches are loaded outside it, once per work item)."""
+    lines = listing.splitlines()
+    hgmma = [i for i, line in enumerate(lines) if "HGMMA" in line]
+    if not hgmma:
+        return 0
+    return sum(1 for line in lines[hgmma[0]:hgmma[-1] + 1] if re.search(r"\b(LDL|STL)\b", line))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("objects", nargs="+")
@@ -81,7 +91,8 @@ def main(argv=None) -> int:
         counts = opcode_counts(listing)
         local = counts["LDL"] + counts["STL"]
         top = ", ".join(f"{op} {n}" for op, n in counts.most_common(12))
-        print(f"{os.path.basename(path)}: {sum(counts.values())} instructions, local memory ops {local}; {top}")
+        print(f"{os.path.basename(path)}: {sum(counts.values())} instructions, local memory ops {local} "
+              f"({mainloop_local_ops(listing)} inside the wgmma mainloop); {top}")
     return 0
 
 
