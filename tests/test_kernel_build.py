@@ -199,6 +199,24 @@ def test_register_a_fragment_is_in_ptx_order():
     assert seen["words"] == list(range(32))  # word i is register i: k-block slice i // 4, PTX word i % 4
 
 
+@pytest.mark.parametrize("live,columns,group", [(1, 1, 8), (7, 3, 8), (338, 32, 8), (68, 224, 16), (13, 16, 4),
+                                                (290, 12, 32)])
+def test_wgmma_raster_visits_every_work_item_once_a_group_at_a_time(live, columns, group):
+    """The persistent wgmma GEMMs' item order is a bijection onto (routing tile, column tile) that finishes each
+    group of `group` routing tiles (every column tile of them) before the next, routing tile fastest: the CTAs of
+    a wave share a few tiles' token rows."""
+    from moe_ext.kernels.sm90.wgmma_mainloop import raster_position
+
+    order = [raster_position(w, live, columns, group, min) for w in range(live * columns)]
+    assert sorted(order) == [(t, c) for t in range(live) for c in range(columns)]
+    w = 0
+    for first in range(0, live, group):
+        size = min(group, live - first)
+        block = order[w:w + size * columns]
+        assert block == [(first + i % size, i // size) for i in range(size * columns)]
+        w += size * columns
+
+
 
 def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernels):
     """The persistent wgmma GEMMs' SASS (read by scripts/kernel_sass.py from the exported objects) has register A

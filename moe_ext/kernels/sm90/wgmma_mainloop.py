@@ -77,6 +77,9 @@ class WgmmaConfig:
     copier_regs: int = 40
     consumer_regs: int = 232
     sf_block: int = 16  # weight scale block: 16 (NVFP4, e4m3 scales) or 32 (MXFP4, ue8m0 scales)
+    # Gathered token bytes a raster group of routing tiles may keep in L2 (a third of the H200's 50 MB): e.g. 8
+    # tiles at K = 7168, 4 at K = 14336, 32 at K = 2048.
+    group_bytes: int = 16 << 20
 
     @property
     def threads(self) -> int:
@@ -164,13 +167,38 @@ def allocate(cfg: WgmmaConfig, tok_layout):
             copied)
 
 
-class WorkItem:
-    """Work item w of a persistent CTA: routing tile w % live (consecutive CTAs share a column tile of weights,
-    as the grid order of the non-persistent kernels did) and column tile w // live."""
+class Raster(NamedTuple):
+    """The order of a GEMM's work items (routing tile, column tile): groups of `group` consecutive routing tiles,
+    all column tiles of a group before the next, routing tile fastest inside it. The CTAs of one wave then share
+    a few routing tiles' gathered token rows (`group` tiles of bm x K bf16, held in L2 across the group's column
+    tiles) instead of reading each tile's rows from memory again at every column tile."""
 
-    def __init__(self, cfg: WgmmaConfig, w, live, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor):
-        tile = w % live
-        self.n_tile = w // live
+    live: Int32  # routing tiles
+    columns: Int32  # column tiles (rows_per_expert / bn)
+    group: Int32  # routing tiles a group
+
+
+def make_raster(cfg: WgmmaConfig, live, rows_per_expert, k_extent) -> Raster:
+    group = cute.math.max(Int32(cfg.group_bytes) // (Int32(cfg.bm * 2) * k_extent), Int32(1))
+    return Raster(live, rows_per_expert // cfg.bn, group)
+
+
+def raster_position(w, live, columns, group, minimum):
+    """(routing tile, column tile) of work item w in the raster order (Raster); plain arithmetic and `minimum`,
+    so the host tests run it on ints."""
+    first = (w // (group * columns)) * group
+    size = minimum(group, live - first)  # the last group may be short
+    index = w - first * columns
+    return first + index % size, index // size
+
+
+class WorkItem:
+    """Work item w of a persistent CTA in `raster`'s order: its routing tile's expert, first row and row limit,
+    and its column tile."""
+
+    def __init__(self, cfg: WgmmaConfig, w, raster: Raster, tile_to_expert: cute.Tensor,
+                 tile_to_mn_limit: cute.Tensor):
+        tile, self.n_tile = raster_position(w, raster.live, raster.columns, raster.group, cute.math.min)
         self.expert = tile_to_expert[tile]
         self.limit = tile_to_mn_limit[tile]
         self.row0 = tile * cfg.bm
@@ -429,13 +457,14 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
     consumer thread calls `epilogue(item, s_c, r, half, row)` for its s_c row r (routed row `row`, valid) and
     column half (epilogue_thread); the tile holds the products times 2^-63 (ACCUMULATOR_SCALE)."""
     wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-    items = live * (rows_per_expert // cfg.bn)
+    raster = make_raster(cfg, live, rows_per_expert, k_extent)
+    items = live * raster.columns
     tokens, s_c, raw_codes, raw_scales, lut, copied = allocate(cfg, tok_layout)
     if wg == COPIER:
         cute.arch.setmaxregister_decrease(cfg.copier_regs)
         fill, _ = ring_states(cfg)
         for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
-            item = WorkItem(cfg, w, live, tile_to_expert, tile_to_mn_limit)
+            item = WorkItem(cfg, w, raster, tile_to_expert, tile_to_mn_limit)
             fill = copy_stages(cfg, copied, tokens, raw_codes, raw_scales, tidx, a_base,
                                lambda m: a_row_offset(item, m), tma_atom, tma_w, w_sf, item.expert,
                                item.n_tile * cfg.bn, rows_per_expert, k_extent, fill)
@@ -448,7 +477,7 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
         _, read = ring_states(cfg)
         _, release = ring_states(cfg)
         for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
-            item = WorkItem(cfg, w, live, tile_to_expert, tile_to_mn_limit)
+            item = WorkItem(cfg, w, raster, tile_to_expert, tile_to_mn_limit)
             r, half = epilogue_thread(ctid)
 
             def finish(b):  # the epilogue of token block b of this item, out of s_c
