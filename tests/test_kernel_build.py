@@ -1,4 +1,5 @@
 """The sm_90a kernels compile ahead of time without a GPU (CI runs this on a machine without one)."""
+import importlib.util
 import os
 import re
 import shutil
@@ -195,13 +196,13 @@ def test_register_a_fragment_is_in_ptx_order():
     assert seen["words"] == list(range(32))  # word i is register i: k-block slice i // 4, PTX word i % 4
 
 
-
 def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernels):
     """The persistent wgmma GEMMs' SASS (read by scripts/kernel_sass.py from the exported objects) has register A
     wgmmas and no local-memory traffic in the mainloop: a spill there would sit in the decode of every stage."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-    import kernel_sass
-
+    spec = importlib.util.spec_from_file_location(
+        "kernel_sass", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "kernel_sass.py"))
+    kernel_sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel_sass)
     try:
         kernel_sass.nvdisasm()
     except SystemExit:
