@@ -490,12 +490,12 @@ def capture_graphs(forwards: list[Callable[[], torch.Tensor]]) -> tuple[list[tor
 
 
 # The last field is named clocks_event_reasons on newer drivers; gpu_state retries without it if it is refused.
-GPU_STATE_QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+GPU_STATE_FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
 
 
 def parse_gpu_state(line: str) -> dict:
-    """One `nvidia-smi --query-gpu=... --format=csv,noheader,nounits` line of GPU_STATE_QUERY's fields as record
-    fields; a field the driver reports as unsupported is left out."""
+    """One `nvidia-smi --query-gpu=... --format=csv,noheader,nounits` line of GPU_STATE_FIELDS as record fields;
+    a field the driver reports as unsupported is left out."""
     values = [v.strip() for v in line.split(",")]
     out = {}
     for name, value in zip(("sm_clock_mhz", "power_w", "temperature_c"), values):
@@ -514,8 +514,7 @@ def gpu_state(device: torch.device) -> dict:
     if device.type != "cuda":
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
-    full = GPU_STATE_QUERY.split(",")
-    for fields in (full, full[:3]):
+    for fields in (GPU_STATE_FIELDS, GPU_STATE_FIELDS[:3]):
         try:
             lines = subprocess.run(["nvidia-smi", f"--id={index}", f"--query-gpu={','.join(fields)}",
                                     "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10,

@@ -65,7 +65,7 @@ def sass(path: str) -> str:
 
 def opcode_counts(listing: str) -> collections.Counter:
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", listing)
-    return collections.Counter(op for op in ops)
+    return collections.Counter(ops)
 
 
 def mainloop_local_ops(listing: str) -> int:

@@ -1,4 +1,5 @@
 """The sm_90a kernels compile ahead of time without a GPU (CI runs this on a machine without one)."""
+import importlib.util
 import os
 import re
 import shutil
@@ -217,13 +218,13 @@ def test_wgmma_raster_visits_every_work_item_once_a_group_at_a_time(live, column
         w += size * columns
 
 
-
 def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernels):
     """The persistent wgmma GEMMs' SASS (read by scripts/kernel_sass.py from the exported objects) has register A
     wgmmas and no local-memory traffic in the mainloop: a spill there would sit in the decode of every stage."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-    import kernel_sass
-
+    spec = importlib.util.spec_from_file_location(
+        "kernel_sass", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "kernel_sass.py"))
+    kernel_sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel_sass)
     try:
         kernel_sass.nvdisasm()
     except SystemExit:

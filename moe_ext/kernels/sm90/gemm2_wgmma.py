@@ -9,9 +9,8 @@ input arriving decoded), w4a4_pt (also times the per-row FC2 scale `row_scale`),
 Work items (m, n) over the persistent CTAs, as in gemm1_wgmma.py: item (m, n) takes routing tile m (128 permuted
 rows of one local expert, read in place: the FC2 input is already in permuted order) and weight rows
 [128n, 128n + 128) of this launch's N (= `hidden`: H, or H / 2 for a localized shard), whose output columns start
-at `col_offset` of rows `out_pitch` wide. Each valid
-row p (expanded slot s = t*K + k) gives y = bf16(scale * acc), with scale formed as gemm2.py forms it (pts2:
-w4a4_pt's row_scale[p], else 1):
+at `col_offset` of rows `out_pitch` wide. Each valid row p (expanded slot s = t*K + k) gives y = bf16(scale * acc),
+with scale formed as gemm2.py forms it (pts2: w4a4_pt's row_scale[p], else 1):
   fused          scale = w2_alpha[e] * (token_final_scales[s] * pts2); y is added (bf16x2 reduce-add) into out[t]
   deterministic  scale = w2_alpha[e] * pts2; y is stored to the slot row out[s]
 """

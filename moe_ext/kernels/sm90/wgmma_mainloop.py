@@ -263,7 +263,7 @@ def raw_weight_tma(cfg: WgmmaConfig, w: cute.Tensor, experts, rows_per_expert, k
 def issue_b_stage(cfg: cutlass.Constexpr, copied, fill, tma_atom, boxes, slots, sf_tile: Int64, kt, lane):
     """Warp 0 of the copier starts stage kt's weight copies into slot fill.index: lane 0 announces their bytes on
     the stage's `copied` barrier (its one extra arrival) and bulk-copies the 512-byte scale atom that holds the
-    stage's blocks (NVFP4: the 4 blocks of the stage; MXFP4: 2 stages share an atom, decode_b_stage picks the
+    stage's blocks (NVFP4: the 4 blocks of the stage; MXFP4: 2 stages share an atom, decode_a_stage picks the
     half); the box copy elects its own lane, so the whole warp calls it."""
     bar = copied.producer_get_barrier(fill)
     stages_per_group = 4 * cfg.sf_block // cfg.bk
@@ -283,8 +283,9 @@ class RawSlots(NamedTuple):
 
 
 def e2m1x8_per_pair(word: Int32, scales: list) -> list:
-    """ptx.e2m1x8_to_bf16x2 with pair i (codes i, i + 4) times its own bf16x2 scales[i]. (A copy of its bit
-    pattern while this form is an experiment, so ptx.py and the streaming kernels stay as tested.)"""
+    """ptx.e2m1x8_to_bf16x2 with pair i (codes i, i + 4) times its own bf16x2 scales[i]. The same bit pattern in
+    another instruction order: folding it into ptx.e2m1x8_to_bf16x2 changes the register allocation of the tested
+    wgmma objects (or, in that helper's order, of the streaming ones), so it waits for a device run to retest."""
     out = []
     for i in range(4):
         mag = (word << (6 - 4 * i)) if i < 2 else (word >> (4 * i - 6))  # the mask drops sign-filled bits
