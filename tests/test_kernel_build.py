@@ -200,6 +200,18 @@ def test_register_a_fragment_is_in_ptx_order():
     assert seen["words"] == list(range(32))  # word i is register i: k-block slice i // 4, PTX word i % 4
 
 
+@pytest.mark.parametrize("sf_block", [16, 32])
+@pytest.mark.parametrize("tile", [128, 256])
+def test_wgmma_configs_fit_the_register_file_and_shared_memory(tile, sf_block):
+    """Every shipped wgmma config's shared memory (the Storage struct) fits a Hopper CTA's 227 KB: a kernel that
+    asks for more compiles but fails at launch."""
+    from moe_ext.kernels.sm90 import wgmma_mainloop
+
+    cfg = wgmma_mainloop.config_for_tile(tile, sf_block)
+    cfg.check()
+    assert 150 * 1024 < cfg.shared_bytes <= wgmma_mainloop.MAX_SHARED_BYTES
+
+
 @pytest.mark.parametrize("live,columns,group", [(1, 1, 8), (7, 3, 8), (338, 32, 8), (68, 224, 16), (13, 16, 4),
                                                 (290, 12, 32)])
 def test_wgmma_raster_visits_every_work_item_once_a_group_at_a_time(live, columns, group):

@@ -58,6 +58,7 @@ CONSUMERS = 256
 # Token rows of one wgmma N and one s_c pass; a 256-row routing tile is two such blocks sharing each decoded weight
 # fragment (two m64n128k16 per k16 block), so a stage's decode feeds twice the MMA.
 TOKEN_BLOCK = 128
+MAX_SHARED_BYTES = 227 * 1024  # opt-in dynamic shared memory of a Hopper CTA
 TILES = (128, 256)  # the routing tiles the wgmma GEMMs are built for
 
 
@@ -102,6 +103,17 @@ class WgmmaConfig:
         assert self.sf_block in (16, 32), "NVFP4 (16) or MXFP4 (32) weights"
         regs = WARPGROUP * self.copier_regs + CONSUMERS * self.consumer_regs
         assert regs <= 65536, "register file"
+        assert self.shared_bytes <= MAX_SHARED_BYTES, "shared memory: the launch would fail"
+
+    @property
+    def shared_bytes(self) -> int:
+        """The Storage struct's bytes (make_storage), alignment padding included."""
+        up = lambda n, a: -(-n // a) * a  # noqa: E731
+        n = 16 * self.stages  # copied / empty mbarriers
+        n = up(n, 1024) + self.stages * self.bn * self.bk // 2  # raw codes
+        n = up(n, 16) + self.stages * 512 + 256 * 4  # raw scales, scale table
+        n = up(n, 1024) + self.blocks * self.stages * TOKEN_BLOCK * self.bk * 2  # token blocks
+        return up(n, 16) + TOKEN_BLOCK * self.pitch * 4  # s_c
 
 
 DEFAULT = WgmmaConfig()
@@ -138,7 +150,7 @@ def make_storage(cfg: WgmmaConfig, tok_layout):
         raw_scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * 512], 16]
         scale_lut: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 256 * 4], 16]  # bf16x2 per scale byte
         tokens: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.blocks * cute.cosize(tok_layout)], 1024]
-        sC: cute.struct.Align[cute.struct.MemRange[Float32, cfg.bm * cfg.pitch], 16]
+        sC: cute.struct.Align[cute.struct.MemRange[Float32, TOKEN_BLOCK * cfg.pitch], 16]  # one block a pass
 
     return Storage
 
@@ -149,9 +161,9 @@ def allocate(cfg: WgmmaConfig, tok_layout):
     branch turns the Python ints inside a carried tuple into runtime values). `copied` counts the copier's 128
     cp.async arrivals and the one expect_tx arrival of the TMA bytes per stage; its empty side counts the 256
     consumer threads' releases.
-    The token tile (bm, bk, stages) carries its swizzle in the pointer; s_c is fp32 (bm, bn) [token][weight row]
-    with row pitch cfg.pitch, the accumulator tile for the epilogue (its own memory: the ring already holds the
-    next work item's stages while the epilogue reads it)."""
+    The token tile (bm, bk, stages) carries its swizzle in the pointer; s_c is fp32 (TOKEN_BLOCK, bn) [token][weight
+    row] with row pitch cfg.pitch, the accumulator tile of one token block for the epilogue (its own memory: the
+    ring already holds the next work item's stages while the epilogue reads it)."""
     st = cutlass.memory.SmemAllocator().allocate(make_storage(cfg, tok_layout))
     copied = pipeline.PipelineCpAsync.create(barrier_storage=st.copied_mbar.data_ptr(), num_stages=cfg.stages,
                                              producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
@@ -162,7 +174,7 @@ def allocate(cfg: WgmmaConfig, tok_layout):
     tokens = [cute.make_tensor(cute.recast_ptr(st.tokens.data_ptr() + b * block, tok_layout.inner, dtype=BFloat16),
                                tok_layout.outer) for b in range(cfg.blocks)]
     return (tokens,
-            st.sC.get_tensor(cute.make_layout((cfg.bm, cfg.bn), stride=(cfg.pitch, 1))),
+            st.sC.get_tensor(cute.make_layout((TOKEN_BLOCK, cfg.bn), stride=(cfg.pitch, 1))),
             st.raw_codes.data_ptr().toint(), st.raw_scales.data_ptr().toint(), st.scale_lut.data_ptr().toint(),
             copied)
 
