@@ -48,7 +48,8 @@ class HopperBackend:
     quantizer (w4a4 with per_token_scale), GEMM2, finalize. A tactic is (routing tile, GEMM1 K split, GEMM2 K
     split): tokens per CTA of the streaming GEMMs (a tile the kernels were compiled for) and how many CTAs of a
     cluster share each GEMM tile's K steps; split launcher.WGMMA (0) runs that GEMM's warp-specialised wgmma kernel
-    instead (128-token tile; in the quantized modes both GEMMs or neither)."""
+    instead (128-token tile; in the quantized modes both GEMMs or neither), launcher.WGMMA_WIDE (-1) its 256-row
+    weight tiles."""
 
     name: str = "sm90"
 
@@ -84,6 +85,15 @@ class HopperBackend:
         return launcher.has_wgmma(problem.kernel_mode, problem.activation.kind)
 
     @staticmethod
+    def _wide(problem: MoEProblem) -> tuple:
+        """Which GEMMs may take 256-row weight tiles (launcher.WGMMA_WIDE): each launch's weight rows count."""
+        from . import launcher
+
+        parts = 1 if problem.shards is None else len(problem.shards)
+        return launcher.wide_weights(problem.kernel_mode, problem.activation.kind, problem.n1 // parts,
+                                     problem.hidden_size // parts)
+
+    @staticmethod
     def _both_widths(problem: MoEProblem) -> bool:
         """Localized shards with localized_allow_nonlocalized: the full-width path is a candidate too, and a fourth
         tactic element says which runs (1: the shards, 0: full width)."""
@@ -92,7 +102,8 @@ class HopperBackend:
     def tactics(self, problem: MoEProblem) -> list[Tactic]:
         from . import launcher
 
-        base = launcher.tactics(self._tiles(problem), self._wgmma(problem), problem.kernel_mode == "w4a16")
+        base = launcher.tactics(self._tiles(problem), self._wgmma(problem), problem.kernel_mode == "w4a16",
+                                self._wide(problem))
         if self._both_widths(problem):
             return [t + (1,) for t in base] + [t + (0,) for t in base]
         return base

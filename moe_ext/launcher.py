@@ -247,19 +247,40 @@ WGMMA_TILE = 128
 # experts with 512+ rows on average (wgmma_mainloop.TOKEN_BLOCK).
 WIDE_WGMMA_TILE = 256
 WIDE_TILE_MIN_ROWS = 512
+# The "split" of a GEMM that selects its wgmma kernel with 256-row weight tiles (128-token routing tiles): two weight
+# halves share each gathered token stage, halving the token rows a CTA reads per MMA. The GEMM's weight rows (of
+# one launch) must be a multiple of 256.
+WGMMA_WIDE = -1
+WIDE_WEIGHT_ROWS = 256
 # The wgmma GEMM2 each kernel mode runs: w4a4's decoded FC2 input and NVFP4 weights are w4a16's.
 _WGMMA_GEMM2_MODE = {"w4a4": "w4a16"}
 X_FORMAT = {"w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}
 
 
+def is_wgmma(split: int) -> bool:
+    return split in (WGMMA, WGMMA_WIDE)
+
+
+def _wgmma_suffix(split: int) -> str:
+    return {WGMMA: "_wgmma", WGMMA_WIDE: f"_wgmma_n{WIDE_WEIGHT_ROWS}"}.get(split, "")
+
+
 def gemm1_kernel(mode: str, kind: str, tile: int, split: int) -> str:
-    return f"moe_gemm1_{mode}_{kind}_t{tile}" + ("_wgmma" if split == WGMMA else "")
+    return f"moe_gemm1_{mode}_{kind}_t{tile}" + _wgmma_suffix(split)
 
 
 def gemm2_kernel(mode: str, tile: int, split: int) -> str:
-    if split == WGMMA:
-        return f"moe_gemm2_{_WGMMA_GEMM2_MODE.get(mode, mode)}_t{tile}_wgmma"
+    if is_wgmma(split):
+        return f"moe_gemm2_{_WGMMA_GEMM2_MODE.get(mode, mode)}_t{tile}" + _wgmma_suffix(split)
     return f"moe_gemm2_{mode}_t{tile}"
+
+
+def wide_weights(mode: str, kind: str, n1: int, hidden: int) -> tuple[bool, bool]:
+    """Whether GEMM1 (n1 weight rows a launch) and GEMM2 (hidden rows) can take WGMMA_WIDE: the wgmma forward and
+    the GEMM's 256-row kernel linked, and its weight rows a multiple of 256."""
+    linked = has_wgmma(mode, kind)
+    return (linked and n1 % WIDE_WEIGHT_ROWS == 0 and has_kernel(gemm1_kernel(mode, kind, WGMMA_TILE, WGMMA_WIDE)),
+            linked and hidden % WIDE_WEIGHT_ROWS == 0 and has_kernel(gemm2_kernel(mode, WGMMA_TILE, WGMMA_WIDE)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -274,10 +295,11 @@ def has_wgmma(mode: str, kind: str) -> bool:
             and has_kernel(gemm2_kernel(mode, WGMMA_TILE, WGMMA)) and all(has_kernel(n) for n in extra))
 
 
-def tactics(tiles: tuple, wgmma: bool = False, mixed: bool = True) -> list[tuple]:
+def tactics(tiles: tuple, wgmma: bool = False, mixed: bool = True, wide: tuple = (False, False)) -> list[tuple]:
     """Hopper tactics: (routing tile, GEMM1 K split or WGMMA, GEMM2 K split or WGMMA). mixed=False (the quantized
     modes): WGMMA only as (WGMMA_TILE, WGMMA, WGMMA). A tile outside TOKEN_TILES (WIDE_WGMMA_TILE) runs only as
-    (tile, WGMMA, WGMMA)."""
+    (tile, WGMMA, WGMMA). `wide` (wide_weights): the GEMMs that may take WGMMA_WIDE, on 128-token tiles with the
+    other GEMM on a wgmma kernel too."""
     out = [(t, s1, s2) for t in tiles if t in TOKEN_TILES for s1 in K_SPLITS for s2 in K_SPLITS]
     if wgmma and WGMMA_TILE in tiles:
         if mixed:
@@ -285,6 +307,10 @@ def tactics(tiles: tuple, wgmma: bool = False, mixed: bool = True) -> list[tuple
                     if WGMMA in (s1, s2)]
         else:
             out.append((WGMMA_TILE, WGMMA, WGMMA))
+    if wgmma and WGMMA_TILE in tiles:
+        firsts = (WGMMA, WGMMA_WIDE) if wide[0] else (WGMMA,)
+        seconds = (WGMMA, WGMMA_WIDE) if wide[1] else (WGMMA,)
+        out += [(WGMMA_TILE, s1, s2) for s1 in firsts for s2 in seconds if WGMMA_WIDE in (s1, s2)]
     if wgmma:
         out += [(t, WGMMA, WGMMA) for t in tiles if t not in TOKEN_TILES]
     return out
@@ -420,12 +446,15 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     mode = problem.kernel_mode
     block = problem.sf_block
     fused = problem.use_fused_finalize
-    wgmma = k_splits[0] == WGMMA
-    if mode != "w4a16" and wgmma != (k_splits[1] == WGMMA):
+    wgmma = is_wgmma(k_splits[0])
+    if mode != "w4a16" and wgmma != is_wgmma(k_splits[1]):
         raise ValueError(f"k_splits {k_splits}: in {mode} both GEMMs run the wgmma kernels or neither does")
     if routing.tile_size not in TOKEN_TILES and k_splits != (WGMMA, WGMMA):
         raise ValueError(f"k_splits {k_splits}: a {routing.tile_size}-token routing tile runs only the wgmma "
                          f"kernels, (WGMMA, WGMMA)")
+    if WGMMA_WIDE in k_splits and routing.tile_size != WGMMA_TILE:
+        raise ValueError(f"k_splits {k_splits}: WGMMA_WIDE runs on {WGMMA_TILE}-token routing tiles, not "
+                         f"{routing.tile_size}")
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
     dummy = _dummies(device)
     if problem.quant_mode == "w4a16":
@@ -456,6 +485,10 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     parts = problem.shards if problem.shards is not None else [problem.weights]
     n1, h_part = problem.n1 // len(parts), H // len(parts)  # weight rows of each part's FC1 and FC2
     inter_part = I // len(parts)
+    for split, rows, what in ((k_splits[0], n1, "W1 rows"), (k_splits[1], h_part, "W2 rows (hidden)")):
+        if split == WGMMA_WIDE and rows % WIDE_WEIGHT_ROWS:
+            raise ValueError(f"k_splits {k_splits}: WGMMA_WIDE needs the GEMM's {what} a multiple of "
+                             f"{WIDE_WEIGHT_ROWS}, got {rows}")
     act = activation_params(problem.activation)
 
     def gemm1(d: int) -> None:

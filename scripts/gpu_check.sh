@@ -8,6 +8,7 @@
 #   grid:      the full issue-3 correctness grid (13,200 cases), shards $GRID_SHARD ("K/N ...", default 0/1), 500 s each
 #   ab_wgmma:  install, profile (as prefill) and check (wgmma-heavy kernel tests) each directory of $AB_DIRS,
 #              then reinstall $MOE_EXT_KERNEL_DIR (unless it ran alone)
+#   ab_tactics: per-kernel profile of each tactic of $AB_TACTICS ("default" or "tile,split1,split2") at $AB_POINTS
 #   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels)
 #   prefill:   per-kernel profile of the default tactic at T=4096 on five shapes (the wgmma GEMMs)
 #   prefill_ncu: ncu sections of the wgmma GEMMs at $PREFILL_POINTS (default mixtral-8x7b:4096)
@@ -128,6 +129,15 @@ elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, 
       tests/test_hopper_kernels.py -k "large_token_count or (shapes_and and 7168 and w4a16)"
   done
   [ "$PARTS" = ab_wgmma ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
+elif [ "$PART" = ab_tactics ]; then  # AB_TACTICS: tactics ("default": the heuristic's), profiled at $AB_POINTS
+  for t in ${AB_TACTICS:-default}; do
+    args=()
+    [ "$t" = default ] || args=(--tactic "$t")
+    step "prefill_tactic_${t//,/_}" 200 python3 benchmarks/profile_kernels.py --points "${AB_POINTS:-$PREFILL_T4096}" \
+      "${args[@]}"
+    grep "us of kernels" "$LOG/prefill_tactic_${t//,/_}.log" |
+      awk -v t="$t" '{s = s " " $1 " " $5} END {print t ":" s}' >> "$OUT/summary.txt"
+  done
 elif [ "$PART" = sweep ]; then  # issue 4's sweep, w4a16 fused, all three impls (carry .offline/triton_kernels_v3.6)
   step sweep "${SWEEP_SECONDS:-560}" env PYTHONPATH="$PWD:$PWD/.offline/triton_kernels_v3.6" python3 -m moe_ext.bench \
     --shapes qwen3-30b-a3b,deepseek-v3-ep8,gpt-oss-120b,mixtral-8x7b,deepseek-v3 \

@@ -35,10 +35,11 @@ def check_against_reference(case, fused, every_tile=True, **over):
     if not every_tile:  # the smallest tile unsplit and the largest split: both kernels' paths, half the runs
         chosen = [(tiles[0], 1, 1), (tiles[-1], 2, 4)]
     W = launcher.WGMMA
+    WW = launcher.WGMMA_WIDE
     wgmma = [t for t in [(launcher.WGMMA_TILE, W, 1), (launcher.WGMMA_TILE, 2, W), (launcher.WGMMA_TILE, W, W),
-                         (launcher.WIDE_WGMMA_TILE, W, W)]
+                         (launcher.WIDE_WGMMA_TILE, W, W), (launcher.WGMMA_TILE, WW, WW)]
              if t in HOPPER.tactics(problem)]  # the wgmma GEMMs: each and both (w4a16), both (quantized modes)
-    assert (launcher.WGMMA_TILE, W, W) in wgmma, "every mode links the wgmma GEMMs"  # and the 256 tile's, when built
+    assert (launcher.WGMMA_TILE, W, W) in wgmma, "every mode links the wgmma GEMMs"  # and the 256 ones, when built
     chosen += wgmma
     for tactic in chosen:
         poisoned = torch.full_like(expected, float("nan"))

@@ -27,10 +27,10 @@ def test_every_shipped_kernel_compiles_for_sm90a(built_kernels):
         gemms += [f"moe_gemm1_{mode}_{kind}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
         gemms += [f"moe_gemm2_{mode}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")]
-    for tokens in (128, 256):
-        gemms += [f"moe_gemm1_{mode}_{kind}_t{tokens}_wgmma" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
+    for suffix in ("_t128_wgmma", "_t256_wgmma", "_t128_wgmma_n256"):
+        gemms += [f"moe_gemm1_{mode}_{kind}{suffix}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
-        gemms += [f"moe_gemm2_{mode}_t{tokens}_wgmma" for mode in ("w4a16", "w4a4_pt", "w4a8")]
+        gemms += [f"moe_gemm2_{mode}{suffix}" for mode in ("w4a16", "w4a4_pt", "w4a8")]
     assert names == ["moe_routing", *gemms, "moe_routing_decode_nvfp4", "moe_routing_decode_mxfp8",
                      "moe_fc2_quant_per_token", "moe_fc2_quant_per_token_bf16", "moe_finalize"]
     table = (tmp_path / "kernel_table.inc").read_text()

@@ -139,6 +139,33 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, wide, 132, True, mixed=False) == (256, W, W)
     assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, wide, 132, wgmma=True) == (128, W, W)
     assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, wide, 132)[0] == 128  # no wgmma: streaming
+    # 256-row weight tiles (WGMMA_WIDE): on 128-token tiles, for the GEMMs whose weight rows allow them, with the
+    # other GEMM on a wgmma kernel too; never by default.
+    WW = launcher.WGMMA_WIDE
+    both = set(launcher.tactics(tiles, True, wide=(True, True))) - set(launcher.tactics(tiles, True))
+    assert both == {(128, WW, W), (128, W, WW), (128, WW, WW)}
+    assert set(launcher.tactics(tiles, True, mixed=False, wide=(False, True))) - set(launcher.tactics(tiles)) == {
+        (128, W, W), (128, W, WW)}
+    assert launcher.tactics(tiles, wide=(True, True)) == launcher.tactics(tiles)  # no wgmma linked
+    assert WW not in launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132, wgmma=True)
+
+
+def test_wide_weight_kernels_are_named_and_offered_only_where_rows_allow(monkeypatch):
+    """WGMMA_WIDE selects the `_wgmma_n256` kernels (w4a4's GEMM2 is w4a16's, as for WGMMA), and a GEMM whose
+    weight rows are not a multiple of 256 (gpt-oss: 2 x 2880 W1 rows) never takes it."""
+    from moe_ext import launcher
+
+    WW = launcher.WGMMA_WIDE
+    assert launcher.gemm1_kernel("w4a16", "swiglu", 128, WW) == "moe_gemm1_w4a16_swiglu_t128_wgmma_n256"
+    assert launcher.gemm2_kernel("w4a4", 128, WW) == "moe_gemm2_w4a16_t128_wgmma_n256"
+    assert launcher.gemm2_kernel("w4a8", 128, launcher.WGMMA) == "moe_gemm2_w4a8_t128_wgmma"
+    monkeypatch.setattr(launcher, "has_wgmma", lambda mode, kind: True)
+    monkeypatch.setattr(launcher, "has_kernel", lambda name: True)
+    assert launcher.wide_weights("w4a16", "swiglu", 4096, 7168) == (True, True)
+    assert launcher.wide_weights("w4a16", "swiglu", 5760, 2944) == (False, False)
+    assert launcher.wide_weights("w4a16", "relu2", 1536, 2944) == (True, False)
+    monkeypatch.setattr(launcher, "has_kernel", lambda name: not name.endswith("_n256"))
+    assert launcher.wide_weights("w4a16", "swiglu", 4096, 7168) == (False, False)
 
 
 def test_tuning_times_candidates_on_a_stand_in_routing_not_on_the_callers(tuner):

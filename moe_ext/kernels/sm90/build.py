@@ -45,15 +45,17 @@ def specialisations():
                                   functools.partial(gemm1.compile_gemm1, mode, kind, tokens)))
         specs += [(f"moe_gemm2_{mode}_t{tokens}", functools.partial(gemm2.compile_gemm2, mode, tokens))
                   for mode in gemm2.MODES]
-    # The warp-specialised wgmma GEMMs for large T (128- and 256-token routing tiles, bf16 operands), the routing
-    # launches that also decode quantized activations for them, and the per-token quantizer that writes decoded bf16.
-    for tokens in wgmma_mainloop.TILES:
-        specs += [(f"moe_gemm1_{mode}_{kind}_t{tokens}_wgmma",
-                   functools.partial(gemm1_wgmma.compile_gemm1_wgmma, mode, kind, tile=tokens))
+    # The warp-specialised wgmma GEMMs for large T (128- and 256-token routing tiles, 128- and 256-row weight
+    # tiles, bf16 operands), the routing launches that also decode quantized activations for them, and the per-token
+    # quantizer that writes decoded bf16.
+    for tokens, rows in wgmma_mainloop.SHAPES:
+        suffix = f"_t{tokens}_wgmma" + ("" if rows == 128 else f"_n{rows}")
+        specs += [(f"moe_gemm1_{mode}_{kind}{suffix}",
+                   functools.partial(gemm1_wgmma.compile_gemm1_wgmma, mode, kind, tile=tokens, weight_rows=rows))
                   for mode in gemm1_wgmma.MODES for kind in activations.KINDS
                   if not (mode == "w4a8" and kind == "situ")]
-        specs += [(f"moe_gemm2_{mode}_t{tokens}_wgmma", functools.partial(gemm2_wgmma.compile_gemm2_wgmma, mode,
-                                                                          tile=tokens))
+        specs += [(f"moe_gemm2_{mode}{suffix}", functools.partial(gemm2_wgmma.compile_gemm2_wgmma, mode,
+                                                                  tile=tokens, weight_rows=rows))
                   for mode in gemm2_wgmma.MODES]
     specs += [(f"moe_routing_decode_{fmt}", functools.partial(routing.compile_routing_decode, fmt))
               for fmt in routing.DECODE_FORMATS]

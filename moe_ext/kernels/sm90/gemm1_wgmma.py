@@ -33,8 +33,8 @@ MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 _GROUP = {"w4a16": 8, "w4a4": 16, "w4a4_pt": 8, "w4a8": 32}
 
 
-def config_for(mode: str, tile: int = 128) -> mainloop.WgmmaConfig:
-    return mainloop.config_for_tile(tile, 32 if mode == "w4a8" else 16)
+def config_for(mode: str, tile: int = 128, weight_rows: int = 128) -> mainloop.WgmmaConfig:
+    return mainloop.config_for_tile(tile, 32 if mode == "w4a8" else 16, weight_rows)
 
 
 def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
@@ -43,7 +43,7 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
     cfg = cfg or config_for(mode)
     cfg.check()
     gated = kind != "relu2"
-    width = cfg.bn // 2 if gated else cfg.bn  # intermediate columns of one CTA
+    width = mainloop.WEIGHT_HALF // 2 if gated else mainloop.WEIGHT_HALF  # intermediate columns of one s_c pass
     per_thread = width // 2
     group = _GROUP[mode]
 
@@ -63,9 +63,8 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
             token = permuted_to_expanded[cute.math.min(item.row0 + m, item.limit - 1)] // top_k
             return Int64(token) * Int64(hidden) * Int64(2)
 
-        def epilogue(item, s_c, r, half, row):
+        def epilogue(item, n_tile, s_c, r, half, row):
             expert = item.expert
-            n_tile = item.n_tile
             s1 = w1_alpha[expert]
             if cutlass.const_expr(mode == "w4a4_pt"):
                 s1 = s1 * per_token_scale[permuted_to_expanded[row] // top_k]
@@ -80,7 +79,7 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
                     c = c0 + group * g + 4 * q
                     up = ptx.ld_shared_v4(row_addr + c * 4)
                     if cutlass.const_expr(gated):
-                        gate = ptx.ld_shared_v4(row_addr + (c + cfg.bn // 2) * 4)
+                        gate = ptx.ld_shared_v4(row_addr + (c + mainloop.WEIGHT_HALF // 2) * 4)
                         for j in cutlass.range_constexpr(4):
                             h.append(activations.apply(kind, up[j].bitcast(Float32) * s1,
                                                        gate[j].bitcast(Float32) * s1, (p0, p1, p2, p3)))
@@ -123,5 +122,5 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
     return launch
 
 
-def compile_gemm1_wgmma(mode: str, kind: str, options: str, tile: int = 128):
-    return gemm1.compile_launch(make_kernel(mode, kind, config_for(mode, tile)), options)
+def compile_gemm1_wgmma(mode: str, kind: str, options: str, tile: int = 128, weight_rows: int = 128):
+    return gemm1.compile_launch(make_kernel(mode, kind, config_for(mode, tile, weight_rows)), options)

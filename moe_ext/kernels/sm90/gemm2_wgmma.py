@@ -32,7 +32,7 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
         raise ValueError(f"the wgmma GEMM2 has no mode {mode}; modes: {MODES}")
     cfg = cfg or gemm1_wgmma.config_for(mode)
     cfg.check()
-    per_thread = cfg.bn // 2  # output columns of one epilogue thread
+    per_thread = mainloop.WEIGHT_HALF // 2  # output columns of one epilogue thread
 
     @cute.kernel
     def gemm2_wgmma_kernel(a_bf16: cute.Tensor, a_q: cute.Tensor, a_sf: cute.Tensor, row_scale: cute.Tensor,
@@ -49,9 +49,8 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
         def permuted_row_offset(item, m):
             return Int64(cute.math.min(item.row0 + m, item.limit - 1)) * Int64(inter) * Int64(2)
 
-        def epilogue(item, s_c, r, half, row):
+        def epilogue(item, n_tile, s_c, r, half, row):
             expert = item.expert
-            n_tile = item.n_tile
             out_row, scale = gemm2.output_row_and_scale(mode == "w4a4_pt", fused, permuted_to_expanded[row],
                                                         row, expert, top_k, w2_alpha, token_final_scales,
                                                         row_scale)
@@ -64,7 +63,7 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
                 words += [ptx.pack_bf16x2(scale * acc[0].bitcast(Float32), scale * acc[1].bitcast(Float32)),
                           ptx.pack_bf16x2(scale * acc[2].bitcast(Float32), scale * acc[3].bitcast(Float32))]
             address = out.iterator.toint() + (Int64(out_row) * Int64(out_pitch) + Int64(
-                col_offset + n_tile * cfg.bn + c0)) * 2
+                col_offset + n_tile * mainloop.WEIGHT_HALF + c0)) * 2
             if fused:
                 ptx.write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
             else:
@@ -95,5 +94,5 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
     return launch
 
 
-def compile_gemm2_wgmma(mode: str, options: str, tile: int = 128):
-    return gemm2.compile_launch(make_kernel(mode, gemm1_wgmma.config_for(mode, tile)), options)
+def compile_gemm2_wgmma(mode: str, options: str, tile: int = 128, weight_rows: int = 128):
+    return gemm2.compile_launch(make_kernel(mode, gemm1_wgmma.config_for(mode, tile, weight_rows)), options)

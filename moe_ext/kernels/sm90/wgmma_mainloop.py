@@ -58,14 +58,20 @@ CONSUMERS = 256
 # Token rows of one wgmma N and one s_c pass; a 256-row routing tile is two such blocks sharing each decoded weight
 # fragment (two m64n128k16 per k16 block), so a stage's decode feeds twice the MMA.
 TOKEN_BLOCK = 128
+# Weight rows of one register A operand (two consumer warpgroups of 64) and of one s_c pass; a 256-row weight tile
+# is two such halves sharing each token stage (two m64n128k16 per k16 block with different A), so a stage's token
+# rows feed twice the MMA.
+WEIGHT_HALF = 128
 MAX_SHARED_BYTES = 227 * 1024  # opt-in dynamic shared memory of a Hopper CTA
 TILES = (128, 256)  # the routing tiles the wgmma GEMMs are built for
+# (routing tile, weight rows) of every wgmma GEMM built: at most two accumulators (blocks x halves) fit the registers
+SHAPES = ((128, 128), (256, 128), (128, 256))
 
 
 @dataclass(frozen=True)
 class WgmmaConfig:
     bm: int = 128  # routed rows per CTA (= the routing tile): 128 or 256
-    bn: int = 128  # weight rows per CTA
+    bn: int = 128  # weight rows per CTA: 128 or 256 (two halves)
     bk: int = 64  # K per stage: 128 bytes of bf16 = one 128B-swizzle row
     stages: int = 6  # token tile + raw weight ring depth (20.5 KB a stage)
     # Persistent CTAs, work items ctas apart. 132 = the SMs of an H100 SXM / H200 (one 214 KB CTA each); on a GPU
@@ -88,18 +94,23 @@ class WgmmaConfig:
 
     @property
     def pitch(self) -> int:
-        return self.bn + self.pad
+        return WEIGHT_HALF + self.pad
 
     @property
     def blocks(self) -> int:
         """Token blocks of TOKEN_BLOCK rows in the routing tile."""
         return self.bm // TOKEN_BLOCK
 
+    @property
+    def halves(self) -> int:
+        """Weight halves of WEIGHT_HALF rows in the CTA's weight tile."""
+        return self.bn // WEIGHT_HALF
+
     def check(self) -> None:
-        assert self.bm in (128, 256) and self.bn == 128, "the thread mappings assume 128 weight rows, 128-row blocks"
+        assert self.bm in (128, 256) and self.bn in (128, 256), "the thread mappings assume 128-row blocks"
+        assert self.blocks * self.halves <= 2, "at most two 64 x 128 fp32 accumulators a consumer thread"
         assert self.bk == 64, "one stage must be one 4-block group of the 128x4 scale layout"
         assert self.stages >= 3, "the consumers hold up to two stages (wgmma wait_group(1))"
-        assert self.bn == 2 * 64, "two consumer warpgroups of 64 weight rows (the register A operand's M)"
         assert self.sf_block in (16, 32), "NVFP4 (16) or MXFP4 (32) weights"
         regs = WARPGROUP * self.copier_regs + CONSUMERS * self.consumer_regs
         assert regs <= 65536, "register file"
@@ -111,7 +122,7 @@ class WgmmaConfig:
         up = lambda n, a: -(-n // a) * a  # noqa: E731
         n = 16 * self.stages  # copied / empty mbarriers
         n = up(n, 1024) + self.stages * self.bn * self.bk // 2  # raw codes
-        n = up(n, 16) + self.stages * 512 + 256 * 4  # raw scales, scale table
+        n = up(n, 16) + self.stages * self.halves * 512 + 256 * 4  # raw scales, scale table
         n = up(n, 1024) + self.blocks * self.stages * TOKEN_BLOCK * self.bk * 2  # token blocks
         return up(n, 16) + TOKEN_BLOCK * self.pitch * 4  # s_c
 
@@ -119,12 +130,15 @@ class WgmmaConfig:
 DEFAULT = WgmmaConfig()
 
 
-def config_for_tile(tile: int, sf_block: int) -> WgmmaConfig:
-    """The config of a routing tile: a 256-row tile holds two token blocks a stage (36.5 KB: 4 stages with s_c) and
-    two accumulators (setmaxnreg 56 / 224: the copier keeps 16 gather addresses)."""
+def config_for_tile(tile: int, sf_block: int, weight_rows: int = 128) -> WgmmaConfig:
+    """The config of a routing tile and weight tile: a 256-row routing tile holds two token blocks a stage (36.5 KB:
+    4 stages with s_c) and two accumulators (setmaxnreg 56 / 224: the copier keeps 16 gather addresses); a 256-row
+    weight tile two raw weight halves a stage (25 KB: 6 stages with s_c), two accumulators and two register A
+    buffers a half."""
     if tile == 256:
+        assert weight_rows == 128, "two token blocks and two weight halves would need four accumulators"
         return WgmmaConfig(bm=256, stages=4, copier_regs=56, consumer_regs=224, sf_block=sf_block)
-    return WgmmaConfig(sf_block=sf_block)
+    return WgmmaConfig(bn=weight_rows, sf_block=sf_block)
 
 
 def make_tiled_mma(cfg: WgmmaConfig):
@@ -137,7 +151,8 @@ def make_tiled_mma(cfg: WgmmaConfig):
 def token_layout(cfg: WgmmaConfig):
     """128B-swizzled K-major stage layout of one token block (TOKEN_BLOCK rows x bk, the wgmma B operand),
     `stages` deep. Call inside a jit."""
-    return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (cfg.bn, TOKEN_BLOCK, cfg.bk), BFloat16, cfg.stages)
+    return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WEIGHT_HALF, TOKEN_BLOCK, cfg.bk), BFloat16,
+                                         cfg.stages)
 
 
 def make_storage(cfg: WgmmaConfig, tok_layout):
@@ -145,9 +160,9 @@ def make_storage(cfg: WgmmaConfig, tok_layout):
     class Storage:
         copied_mbar: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]  # copied[stages], empty[stages]
         # Raw weight slot of each stage as the TMA box lands: [stage][row] 32 code bytes, and the stage's 512-byte
-        # scale atom of the 128x4 layout (bulk copy).
+        # scale atom of the 128x4 layout for each weight half (bulk copies): [stage][half].
         raw_codes: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * cfg.bn * cfg.bk // 2], 1024]
-        raw_scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * 512], 16]
+        raw_scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * cfg.halves * 512], 16]
         scale_lut: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 256 * 4], 16]  # bf16x2 per scale byte
         tokens: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.blocks * cute.cosize(tok_layout)], 1024]
         sC: cute.struct.Align[cute.struct.MemRange[Float32, TOKEN_BLOCK * cfg.pitch], 16]  # one block a pass
@@ -161,8 +176,9 @@ def allocate(cfg: WgmmaConfig, tok_layout):
     branch turns the Python ints inside a carried tuple into runtime values). `copied` counts the copier's 128
     cp.async arrivals and the one expect_tx arrival of the TMA bytes per stage; its empty side counts the 256
     consumer threads' releases.
-    The token tile (bm, bk, stages) carries its swizzle in the pointer; s_c is fp32 (TOKEN_BLOCK, bn) [token][weight
-    row] with row pitch cfg.pitch, the accumulator tile of one token block for the epilogue (its own memory: the
+    The token tile (bm, bk, stages) carries its swizzle in the pointer; s_c is fp32 (TOKEN_BLOCK, WEIGHT_HALF)
+    [token][weight row] with row pitch cfg.pitch, the accumulator tile of one token block and weight half for the
+    epilogue (its own memory: the
     ring already holds the next work item's stages while the epilogue reads it)."""
     st = cutlass.memory.SmemAllocator().allocate(make_storage(cfg, tok_layout))
     copied = pipeline.PipelineCpAsync.create(barrier_storage=st.copied_mbar.data_ptr(), num_stages=cfg.stages,
@@ -174,7 +190,7 @@ def allocate(cfg: WgmmaConfig, tok_layout):
     tokens = [cute.make_tensor(cute.recast_ptr(st.tokens.data_ptr() + b * block, tok_layout.inner, dtype=BFloat16),
                                tok_layout.outer) for b in range(cfg.blocks)]
     return (tokens,
-            st.sC.get_tensor(cute.make_layout((TOKEN_BLOCK, cfg.bn), stride=(cfg.pitch, 1))),
+            st.sC.get_tensor(cute.make_layout((TOKEN_BLOCK, WEIGHT_HALF), stride=(cfg.pitch, 1))),
             st.raw_codes.data_ptr().toint(), st.raw_scales.data_ptr().toint(), st.scale_lut.data_ptr().toint(),
             copied)
 
@@ -250,19 +266,21 @@ def issue_token_stage(cfg: WgmmaConfig, cp_atom, tAsA, a_src: cute.Tensor, kt, s
 
 class RawRing:
     """Weight row `row`'s view of the raw slots: its 32 code bytes of a stage (the TMA box's row, read as two
-    16-byte pieces: 2-way bank conflicts on 2 loads a stage) and its 4-byte scale group in the stage's 512-byte
-    atom of the 128x4 layout (row r at (r % 32) * 16 + (r // 32) * 4)."""
+    16-byte pieces: 2-way bank conflicts on 2 loads a stage) and its 4-byte scale group in its half's 512-byte
+    atom of the 128x4 layout (row r of the half at (r % 32) * 16 + (r // 32) * 4)."""
 
     def __init__(self, cfg: WgmmaConfig, codes_base: Int32, scales_base: Int32, row):
         self.slot_bytes = cfg.bn * cfg.bk // 2
+        self.scale_slot_bytes = cfg.halves * 512
         self.codes = codes_base + row * (cfg.bk // 2)
-        self.scales = scales_base + (row % 32) * 16 + (row // 32) * 4
+        r = row % WEIGHT_HALF
+        self.scales = scales_base + (row // WEIGHT_HALF) * 512 + (r % 32) * 16 + (r // 32) * 4
 
     def codes_at(self, stage, piece) -> Int32:
         return self.codes + stage * self.slot_bytes + piece * 16
 
     def scales_at(self, stage) -> Int32:
-        return self.scales + stage * 512
+        return self.scales + stage * self.scale_slot_bytes
 
 
 def raw_weight_tma(cfg: WgmmaConfig, w: cute.Tensor, experts, rows_per_expert, k_extent):
@@ -272,17 +290,19 @@ def raw_weight_tma(cfg: WgmmaConfig, w: cute.Tensor, experts, rows_per_expert, k
 
 
 @cute.jit
-def issue_b_stage(cfg: cutlass.Constexpr, copied, fill, tma_atom, boxes, slots, sf_tile: Int64, kt, lane):
+def issue_b_stage(cfg: cutlass.Constexpr, copied, fill, tma_atom, boxes, slots, sf_tiles: list, kt, lane):
     """Warp 0 of the copier starts stage kt's weight copies into slot fill.index: lane 0 announces their bytes on
-    the stage's `copied` barrier (its one extra arrival) and bulk-copies the 512-byte scale atom that holds the
-    stage's blocks (NVFP4: the 4 blocks of the stage; MXFP4: 2 stages share an atom, decode_a_stage picks the
-    half); the box copy elects its own lane, so the whole warp calls it."""
+    the stage's `copied` barrier (its one extra arrival) and bulk-copies, for each weight half (`sf_tiles`: the
+    half's first scale atom), the 512-byte scale atom that holds the stage's blocks (NVFP4: the 4 blocks of the
+    stage; MXFP4: 2 stages share an atom, decode_a_stage picks the half); the box copy elects its own lane, so the
+    whole warp calls it."""
     bar = copied.producer_get_barrier(fill)
     stages_per_group = 4 * cfg.sf_block // cfg.bk
     if lane == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(bar, cfg.bn * cfg.bk // 2 + 512)
-        ptx.cp_async_bulk(slots.scales + fill.index * 512, sf_tile + Int64(kt // stages_per_group) * Int64(512), 512,
-                          bar.toint())
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, cfg.bn * cfg.bk // 2 + cfg.halves * 512)
+        for h in cutlass.range_constexpr(cfg.halves):
+            ptx.cp_async_bulk(slots.scales + (fill.index * cfg.halves + h) * 512,
+                              sf_tiles[h] + Int64(kt // stages_per_group) * Int64(512), 512, bar.toint())
     cute.arch.sync_warp()
     cute.copy(tma_atom, boxes[None, kt], slots.codes[None, fill.index], tma_bar_ptr=bar)
 
@@ -338,7 +358,7 @@ def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_sc
                 fill):
     """The copier over all K stages of one work item, from ring state `fill` (returned advanced). A row m of the
     token tile starts `a_row_offset(m)` bytes past `a_base` (bf16, 16-byte aligned rows); the weight rows are
-    [first_row, first_row + 128) of `expert` in the 4-bit `w` of `rows_per_expert` rows and K = k_extent, block
+    [first_row, first_row + bn) of `expert` in the 4-bit `w` of `rows_per_expert` rows and K = k_extent, block
     scales `w_sf` (cfg.sf_block). The copier waits for its last copies once, after its last item."""
     blocks = []  # (cp.async atom, block partition, gather addresses) of each token block
     for b in cutlass.range_constexpr(cfg.blocks):
@@ -351,13 +371,14 @@ def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_sc
     slot_part, boxes = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(ring, 0, 3),
                                              cute.group_modes(boxes, 0, 3))
     slots = RawSlots(slot_part, raw_scales)
-    sf_tile = w_sf.iterator.toint() + Int64(swizzled_sf_offset(expert, first_row, 0, rows_per_expert,
-                                                               k_extent // cfg.sf_block))
+    sf_tiles = [w_sf.iterator.toint() + Int64(swizzled_sf_offset(expert, first_row + h * WEIGHT_HALF, 0,
+                                                                 rows_per_expert, k_extent // cfg.sf_block))
+                for h in range(cfg.halves)]
     warp = cute.arch.make_warp_uniform(tid // 32)
     for kt in cutlass.range(k_extent // cfg.bk, unroll=1):
         copied.producer_acquire(fill)  # the consumers are done with the stage's tokens and raw weights
         if warp == 0:
-            issue_b_stage(cfg, copied, fill, tma_atom, boxes, slots, sf_tile, kt, tid % 32)
+            issue_b_stage(cfg, copied, fill, tma_atom, boxes, slots, sf_tiles, kt, tid % 32)
         for cp_atom, tAsA, a_src in blocks:
             issue_token_stage(cfg, cp_atom, tAsA, a_src, kt, fill.index)
         copied.producer_commit(fill)  # cp.async.mbarrier.arrive.noinc: lands with this thread's copies
@@ -378,21 +399,23 @@ def drain_copies():
 
 
 @cute.jit
-def mma_stage(cfg: cutlass.Constexpr, copied, tiled_mma: cute.TiledMma, accs, tCrA: cute.Tensor, tCrBs,
-              a_words: cute.Tensor, ring: RawRing, ring8: RawRing, pick: Int32, lut: Int32, kt,
-              buf: cutlass.Constexpr, read, release):
-    """One K stage: wait for its copies, decode its weights into register buffer `buf` (k-blocks 4 buf .. 4 buf + 3
-    of tCrA), issue its wgmmas (each token block's, accs[b] += A . tCrBs[b]), then retire the previous stage's (so
-    its tokens are released and its register buffer, the other one, may be written again by the next stage).
+def mma_stage(cfg: cutlass.Constexpr, copied, tiled_mma: cute.TiledMma, accs, tCrAs, tCrBs, a_words, rings,
+              pick: Int32, lut: Int32, kt, buf: cutlass.Constexpr, read, release):
+    """One K stage: wait for its copies; for each weight half h, decode its weights into register buffer `buf` of
+    tCrAs[h] (k-blocks 4 buf .. 4 buf + 3) and issue its wgmmas (accs[h][b] += A_h . tCrBs[b] for each token block
+    b), so a half's decode overlaps the previous half's wgmmas; then retire the previous stage's wgmmas (so its
+    tokens are released and its register buffers, the other ones, may be written again by the next stage).
     Returns the ring states advanced."""
     k_blocks = cfg.bk // 16
     copied.consumer_wait(read)
-    decode_a_stage(cfg, ring, ring8, pick, lut, a_words, 4 * k_blocks * buf, read.index, kt)
-    cute.nvgpu.warpgroup.fence()
-    for kb in cutlass.range_constexpr(k_blocks):
-        for acc, tCrB in zip(accs, tCrBs):
-            cute.gemm(tiled_mma, acc, tCrA[(None, None, k_blocks * buf + kb)], tCrB[(None, None, kb, read.index)],
-                      acc)
+    for h in cutlass.range_constexpr(cfg.halves):
+        ring, ring8 = rings[h]
+        decode_a_stage(cfg, ring, ring8, pick, lut, a_words[h], 4 * k_blocks * buf, read.index, kt)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(k_blocks):
+            for acc, tCrB in zip(accs[h], tCrBs):
+                cute.gemm(tiled_mma, acc, tCrAs[h][(None, None, k_blocks * buf + kb)],
+                          tCrB[(None, None, kb, read.index)], acc)
     cute.nvgpu.warpgroup.commit_group()
     cute.nvgpu.warpgroup.wait_group(1)
     if kt > 0:
@@ -405,47 +428,52 @@ def mma_stage(cfg: cutlass.Constexpr, copied, tiled_mma: cute.TiledMma, accs, tC
 @cute.jit
 def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_scales: Int32, lut: Int32,
             tiled_mma: cute.TiledMma, wg, ctid, k_extent, read, release, finish: cutlass.Constexpr):
-    """acc (64 weight rows per warpgroup x TOKEN_BLOCK tokens, one per token block) = A . tokens^T over all K
-    stages of one work item, A decoded from each stage's raw slot straight into the wgmma's register operand. Two
-    register buffers alternate by stage: a stage decodes into one while the previous stage's wgmmas, reading the
-    other, are still in flight (an in-flight wgmma's A registers must not be written). Then, block by block, the
-    accumulator is staged transposed into s_c [token][weight row], synchronised across both consumer warpgroups,
-    and `finish(b)` runs the epilogue of token block b. Returns the ring states advanced."""
+    """acc (64 weight rows per warpgroup x TOKEN_BLOCK tokens, one per weight half and token block) = A . tokens^T
+    over all K stages of one work item, A decoded from each stage's raw slot straight into the wgmma's register
+    operand. Two register buffers a half alternate by stage: a stage decodes into one while the previous stage's
+    wgmmas, reading the other, are still in flight (an in-flight wgmma's A registers must not be written). Then,
+    half by half and block by block, the accumulator is staged transposed into s_c [token][weight row],
+    synchronised across both consumer warpgroups, and `finish(h, b)` runs the epilogue of weight half h and token
+    block b. Returns the ring states advanced."""
     thr_wg = tiled_mma.get_slice((wg - FIRST_CONSUMER) * WARPGROUP)
     tCrBs = [tiled_mma.make_fragment_B(thr_wg.partition_B(t)) for t in tokens]  # smem descriptors (MMA, N, K, stages)
-    tCrA = tiled_mma.make_fragment_A(thr_wg.partition_shape_A((cfg.bn, 2 * cfg.bk)))  # registers, 2 buffers
-    a_words = cute.recast_tensor(tCrA, Int32)
-    tCcC = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((cfg.bn, TOKEN_BLOCK)))
-    accs = [cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(cfg.blocks)]
-    for acc in accs:
-        acc.fill(0.0)
+    # registers, 2 buffers a half
+    tCrAs = [tiled_mma.make_fragment_A(thr_wg.partition_shape_A((WEIGHT_HALF, 2 * cfg.bk))) for _ in
+             range(cfg.halves)]
+    a_words = [cute.recast_tensor(t, Int32) for t in tCrAs]
+    tCcC = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((WEIGHT_HALF, TOKEN_BLOCK)))
+    accs = [[cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(cfg.blocks)] for _ in range(cfg.halves)]
+    for half_accs in accs:
+        for acc in half_accs:
+            acc.fill(0.0)
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
     lane = ctid % 32
-    row = (ctid // 32) * 16 + lane // 4  # warp w of the two warpgroups: weight rows 16 w .. 16 w + 15
-    ring = RawRing(cfg, raw_codes, raw_scales, row)
-    ring8 = RawRing(cfg, raw_codes, raw_scales, row + 8)
+    row = (ctid // 32) * 16 + lane // 4  # warp w of the two warpgroups: weight rows 16 w .. 16 w + 15 of a half
+    rings = [(RawRing(cfg, raw_codes, raw_scales, row + h * WEIGHT_HALF),
+              RawRing(cfg, raw_codes, raw_scales, row + h * WEIGHT_HALF + 8)) for h in range(cfg.halves)]
     pick = (lane % 4) | ((4 + lane % 4) << 4)  # prmt: byte lane % 4 of each of two words
 
     stages = k_extent // cfg.bk
     for pair in cutlass.range(stages // 2, unroll=1):
         for buf in cutlass.range_constexpr(2):
-            read, release = mma_stage(cfg, copied, tiled_mma, accs, tCrA, tCrBs, a_words, ring, ring8, pick, lut,
+            read, release = mma_stage(cfg, copied, tiled_mma, accs, tCrAs, tCrBs, a_words, rings, pick, lut,
                                       2 * pair + buf, buf, read, release)
     for kt in cutlass.range(stages - stages % 2, stages, unroll=1):  # an odd last stage: buffer 0 is free
-        read, release = mma_stage(cfg, copied, tiled_mma, accs, tCrA, tCrBs, a_words, ring, ring8, pick, lut, kt,
+        read, release = mma_stage(cfg, copied, tiled_mma, accs, tCrAs, tCrBs, a_words, rings, pick, lut, kt,
                                   0, read, release)
     cute.nvgpu.warpgroup.wait_group(0)
     copied.consumer_release(release)
     release.advance()
 
     consumers = pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMERS)
-    for b in cutlass.range_constexpr(cfg.blocks):
-        consumers.arrive_and_wait()  # every consumer thread is done reading s_c (the previous block or item)
-        for i in cutlass.range_constexpr(cute.size(accs[b])):
-            m, n = tCcC[i]
-            s_c[(n, m)] = accs[b][i]
-        consumers.arrive_and_wait()
-        finish(b)
+    for h in cutlass.range_constexpr(cfg.halves):
+        for b in cutlass.range_constexpr(cfg.blocks):
+            consumers.arrive_and_wait()  # every consumer thread is done reading s_c (the previous pass or item)
+            for i in cutlass.range_constexpr(cute.size(accs[h][b])):
+                m, n = tCcC[i]
+                s_c[(n, m)] = accs[h][b][i]
+            consumers.arrive_and_wait()
+            finish(h, b)
     return read, release
 
 
@@ -466,9 +494,10 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
               epilogue: cutlass.Constexpr):
     """Every role of a wgmma GEMM over its work items (`live` routing tiles x rows_per_expert / bn column tiles):
     the copier gathers token row m of an item from `a_row_offset(item, m)` bytes past `a_base`, the weights are
-    `tma_w` / `w_sf` (K = k_extent), and after each item, for each token block with its fp32 tile in s_c, each
-    consumer thread calls `epilogue(item, s_c, r, half, row)` for its s_c row r (routed row `row`, valid) and
-    column half (epilogue_thread); the tile holds the products times 2^-63 (ACCUMULATOR_SCALE)."""
+    `tma_w` / `w_sf` (K = k_extent), and after each item, for each weight half and token block with its fp32 tile
+    in s_c, each consumer thread calls `epilogue(item, n_tile, s_c, r, half, row)` for the half's WEIGHT_HALF-row
+    column tile n_tile, its s_c row r (routed row `row`, valid) and column half (epilogue_thread); the tile holds
+    the products times 2^-63 (ACCUMULATOR_SCALE)."""
     wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
     raster = make_raster(cfg, live, rows_per_expert, k_extent)
     items = live * raster.columns
@@ -493,10 +522,10 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
             item = WorkItem(cfg, w, raster, tile_to_expert, tile_to_mn_limit)
             r, half = epilogue_thread(ctid)
 
-            def finish(b):  # the epilogue of token block b of this item, out of s_c
+            def finish(h, b):  # the epilogue of weight half h and token block b of this item, out of s_c
                 row = item.row0 + b * TOKEN_BLOCK + r
                 if row < item.limit:
-                    epilogue(item, s_c, r, half, row)
+                    epilogue(item, item.n_tile * cfg.halves + h, s_c, r, half, row)
 
             read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, tiled_mma, wg, ctid,
                                     k_extent, read, release, finish)
