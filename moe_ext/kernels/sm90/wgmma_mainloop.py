@@ -265,16 +265,18 @@ def issue_token_stage(cfg: WgmmaConfig, cp_atom, tAsA, a_src: cute.Tensor, kt, s
 
 
 class RawRing:
-    """Weight row `row`'s view of the raw slots: its 32 code bytes of a stage (the TMA box's row, read as two
-    16-byte pieces: 2-way bank conflicts on 2 loads a stage) and its 4-byte scale group in its half's 512-byte
-    atom of the 128x4 layout (row r of the half at (r % 32) * 16 + (r // 32) * 4)."""
+    """Row `row` of weight half `half`: its view of the raw slots, its 32 code bytes of a stage (the TMA box's row,
+    read as two 16-byte pieces: 2-way bank conflicts on 2 loads a stage) and its 4-byte scale group in the half's
+    512-byte atom of the 128x4 layout (row r at (r % 32) * 16 + (r // 32) * 4)."""
 
-    def __init__(self, cfg: WgmmaConfig, codes_base: Int32, scales_base: Int32, row):
+    def __init__(self, cfg: WgmmaConfig, codes_base: Int32, scales_base: Int32, row, half: int = 0):
         self.slot_bytes = cfg.bn * cfg.bk // 2
         self.scale_slot_bytes = cfg.halves * 512
+        if half:  # a Python int: half 0 keeps the 128-row kernels' address arithmetic as it was
+            codes_base = codes_base + half * WEIGHT_HALF * (cfg.bk // 2)
+            scales_base = scales_base + half * 512
         self.codes = codes_base + row * (cfg.bk // 2)
-        r = row % WEIGHT_HALF
-        self.scales = scales_base + (row // WEIGHT_HALF) * 512 + (r % 32) * 16 + (r // 32) * 4
+        self.scales = scales_base + (row % 32) * 16 + (row // 32) * 4
 
     def codes_at(self, stage, piece) -> Int32:
         return self.codes + stage * self.slot_bytes + piece * 16
@@ -371,9 +373,11 @@ def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_sc
     slot_part, boxes = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(ring, 0, 3),
                                              cute.group_modes(boxes, 0, 3))
     slots = RawSlots(slot_part, raw_scales)
-    sf_tiles = [w_sf.iterator.toint() + Int64(swizzled_sf_offset(expert, first_row + h * WEIGHT_HALF, 0,
-                                                                 rows_per_expert, k_extent // cfg.sf_block))
-                for h in range(cfg.halves)]
+    sf_tile = w_sf.iterator.toint() + Int64(swizzled_sf_offset(expert, first_row, 0, rows_per_expert,
+                                                               k_extent // cfg.sf_block))
+    # the next half's atoms start one 128-row tile (k_tiles atoms) further
+    sf_tiles = [sf_tile] + [sf_tile + Int64(h * 512) * Int64((k_extent // cfg.sf_block + 3) // 4)
+                            for h in range(1, cfg.halves)]
     warp = cute.arch.make_warp_uniform(tid // 32)
     for kt in cutlass.range(k_extent // cfg.bk, unroll=1):
         copied.producer_acquire(fill)  # the consumers are done with the stage's tokens and raw weights
@@ -403,8 +407,9 @@ def mma_stage(cfg: cutlass.Constexpr, copied, tiled_mma: cute.TiledMma, accs, tC
               pick: Int32, lut: Int32, kt, buf: cutlass.Constexpr, read, release):
     """One K stage: wait for its copies; for each weight half h, decode its weights into register buffer `buf` of
     tCrAs[h] (k-blocks 4 buf .. 4 buf + 3) and issue its wgmmas (accs[h][b] += A_h . tCrBs[b] for each token block
-    b), so a half's decode overlaps the previous half's wgmmas; then retire the previous stage's wgmmas (so its
-    tokens are released and its register buffers, the other ones, may be written again by the next stage).
+    b), so half 1's decode overlaps half 0's wgmmas; then retire the previous stage's wgmmas (so its tokens are
+    released and its register buffers, the other ones, may be written again by the next stage). Decoding both
+    halves before one fence makes ptxas serialise every wgmma (a wait after each): keep a fence per half.
     Returns the ring states advanced."""
     k_blocks = cfg.bk // 16
     copied.consumer_wait(read)
@@ -449,8 +454,8 @@ def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_s
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
     lane = ctid % 32
     row = (ctid // 32) * 16 + lane // 4  # warp w of the two warpgroups: weight rows 16 w .. 16 w + 15 of a half
-    rings = [(RawRing(cfg, raw_codes, raw_scales, row + h * WEIGHT_HALF),
-              RawRing(cfg, raw_codes, raw_scales, row + h * WEIGHT_HALF + 8)) for h in range(cfg.halves)]
+    rings = [(RawRing(cfg, raw_codes, raw_scales, row, h), RawRing(cfg, raw_codes, raw_scales, row + 8, h))
+             for h in range(cfg.halves)]
     pick = (lane % 4) | ((4 + lane % 4) << 4)  # prmt: byte lane % 4 of each of two words
 
     stages = k_extent // cfg.bk
@@ -524,8 +529,9 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
 
             def finish(h, b):  # the epilogue of weight half h and token block b of this item, out of s_c
                 row = item.row0 + b * TOKEN_BLOCK + r
+                n_tile = item.n_tile if cutlass.const_expr(cfg.halves == 1) else item.n_tile * cfg.halves + h
                 if row < item.limit:
-                    epilogue(item, item.n_tile * cfg.halves + h, s_c, r, half, row)
+                    epilogue(item, n_tile, s_c, r, half, row)
 
             read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, tiled_mma, wg, ctid,
                                     k_extent, read, release, finish)
