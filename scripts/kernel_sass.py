@@ -78,6 +78,15 @@ def mainloop_local_ops(listing: str) -> int:
     return sum(1 for line in lines[hgmma[0]:hgmma[-1] + 1] if re.search(r"\b(LDL|STL)\b", line))
 
 
+def serialized_wgmmas(listing: str) -> int:
+    """HGMMAs followed by a full wait (`WARPGROUP.DEPBAR.LE gsb0, 0x0`) before the next HGMMA: ptxas serialises
+    wgmmas this way when it cannot prove their register operands safe, and says nothing. The mainloop's last
+    wait (wait_group 0 after the last stage) is not counted."""
+    lines = [line for line in listing.splitlines() if "HGMMA" in line or "DEPBAR.LE gsb0, 0x0" in line]
+    return sum(1 for a, b, c in zip(lines, lines[1:], lines[2:])
+               if "HGMMA" in a and "DEPBAR" in b and "HGMMA" in c)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("objects", nargs="+")
@@ -92,7 +101,8 @@ def main(argv=None) -> int:
         local = counts["LDL"] + counts["STL"]
         top = ", ".join(f"{op} {n}" for op, n in counts.most_common(12))
         print(f"{os.path.basename(path)}: {sum(counts.values())} instructions, local memory ops {local} "
-              f"({mainloop_local_ops(listing)} inside the wgmma mainloop); {top}")
+              f"({mainloop_local_ops(listing)} inside the wgmma mainloop), serialized wgmmas "
+              f"{serialized_wgmmas(listing)}; {top}")
     return 0
 
 

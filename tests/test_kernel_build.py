@@ -232,7 +232,8 @@ def test_wgmma_raster_visits_every_work_item_once_a_group_at_a_time(live, column
 
 def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernels):
     """The persistent wgmma GEMMs' SASS (read by scripts/kernel_sass.py from the exported objects) has register A
-    wgmmas and no local-memory traffic in the mainloop: a spill there would sit in the decode of every stage."""
+    wgmmas, no local-memory traffic in the mainloop (a spill there would sit in the decode of every stage) and no
+    wgmma that waits for the one before it."""
     spec = importlib.util.spec_from_file_location(
         "kernel_sass", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "kernel_sass.py"))
     kernel_sass = importlib.util.module_from_spec(spec)
@@ -247,3 +248,4 @@ def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernel
         counts = kernel_sass.opcode_counts(listing)
         assert counts["HGMMA"] >= 4 and re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", listing), name  # A from registers
         assert kernel_sass.mainloop_local_ops(listing) == 0, name
+        assert kernel_sass.serialized_wgmmas(listing) == 0, name
