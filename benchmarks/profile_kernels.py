@@ -9,17 +9,35 @@ Layers, weights and routing are the benchmark's own (moe_ext.bench).
 """
 import argparse
 import collections
+import statistics
 
 import torch
 
 import moe_ext
-from moe_ext.bench import (SHAPES, Point, moe_ext_inputs, point_seed, random_moe_ext_weights, random_routing,
-                           supported_dims)
+from moe_ext.bench import (SHAPES, Point, gpu_state, moe_ext_inputs, point_seed, random_moe_ext_weights,
+                           random_routing, supported_dims)
+
+
+def per_forward_medians(events: list, reps: int) -> tuple[dict, list]:
+    """(median per-forward µs of each kernel, per-forward totals) from (name, start, µs) of `reps` forwards'
+    kernels: a kernel's launches, in start order, split into `reps` equal runs (one forward's), each summed. The
+    median keeps one slow forward (a clock dip) from moving an A/B."""
+    launches = collections.defaultdict(list)
+    for name, start, us in sorted(events, key=lambda e: e[1]):
+        launches[name].append(us)
+    medians, totals = {}, [0.0] * reps
+    for name, times in launches.items():
+        per = max(1, len(times) // reps)
+        sums = [sum(times[r * per:(r + 1) * per]) for r in range(len(times) // per)]
+        medians[name] = statistics.median(sums)
+        for r, v in enumerate(sums[:reps]):
+            totals[r] += v
+    return medians, totals
 
 
 def profile_point(shape, num_tokens: int, mode: str, tactic, reps: int = 10, fused: bool = False,
-                  ncu: bool = False) -> dict:
-    """Mean GPU microseconds per forward of each kernel of one point."""
+                  ncu: bool = False) -> tuple[dict, list]:
+    """Median GPU microseconds per forward of each kernel of one point, and each forward's total."""
     hidden, inter = supported_dims(shape, mode, "cuda")
     point = Point(shape, num_tokens, "moe_ext", mode, "deterministic", hidden, inter)
     seed = point_seed(0, shape, num_tokens, 0)
@@ -37,16 +55,13 @@ def profile_point(shape, num_tokens: int, mode: str, tactic, reps: int = 10, fus
         wrapper.run(**inputs, tactic=tactic)
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
-        return {}
+        return {}, []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             wrapper.run(**inputs, tactic=tactic)
         torch.cuda.synchronize()
-    times = collections.defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            times[event.name[:60]] += event.device_time / reps
-    return times
+    return per_forward_medians([(e.name[:60], e.time_range.start, e.device_time) for e in prof.events()
+                                if e.device_type == torch.autograd.DeviceType.CUDA], reps)
 
 
 def main():
@@ -61,10 +76,16 @@ def main():
     tactic = None if args.tactic is None else tuple(int(v) for v in args.tactic.split(","))
     for point in args.points.split(","):
         name, num_tokens = point.split(":")
-        times = profile_point(SHAPES[name], int(num_tokens), args.mode, tactic, fused=args.fused, ncu=args.ncu)
-        print(f"{name} T={num_tokens} {args.mode} tactic={tactic}: {sum(times.values()):.1f} us of kernels")
+        times, totals = profile_point(SHAPES[name], int(num_tokens), args.mode, tactic, fused=args.fused,
+                                      ncu=args.ncu)
+        state = gpu_state(torch.device("cuda"))
+        label = "default" if tactic is None else ",".join(map(str, tactic))  # one field for the scripts' awk
+        print(f"{name} T={num_tokens} {args.mode} tactic={label}: {sum(times.values()):.1f} us of kernels")
         for kernel, us in sorted(times.items(), key=lambda kv: -kv[1]):
             print(f"    {us:9.1f} us  {kernel}")
+        if totals:
+            print(f"    forwards: min {min(totals):.1f} / max {max(totals):.1f} us; gpu after: "
+                  + " ".join(f"{k}={v}" for k, v in state.items()))
         torch.cuda.empty_cache()
 
 

@@ -412,3 +412,22 @@ def test_gpu_state_without_nvidia_smi_is_empty(monkeypatch):
     monkeypatch.setattr(bench.subprocess, "run", missing)
     assert bench.gpu_state(torch.device("cuda", 0)) == {}
     assert bench.gpu_state(torch.device("cpu")) == {}
+
+
+def test_kernel_profile_takes_each_kernels_median_forward():
+    """benchmarks/profile_kernels.py splits each kernel's launches into the forwards they came from (in start
+    order) and reports the median forward, so one slow forward does not move an A/B; a kernel launched twice a
+    forward (two localized shards) counts both launches."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location(
+        "profile_kernels", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks",
+                                        "profile_kernels.py"))
+    profile_kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_kernels)
+    events = [("gemm1", 10 * r, us) for r, us in enumerate([5.0, 5.0, 50.0])]  # forward 2 is slow
+    events += [("gemm2", 10 * r + 1 + s, us) for r in range(3) for s, us in enumerate([2.0, 3.0])]
+    medians, totals = profile_kernels.per_forward_medians(events[::-1], reps=3)  # any order in
+    assert medians == {"gemm1": 5.0, "gemm2": 5.0}
+    assert totals == [10.0, 10.0, 55.0]
