@@ -74,16 +74,16 @@ def main():
     parser.add_argument("--ncu", action="store_true", help="one unprofiled forward per point, for ncu")
     args = parser.parse_args()
     tactic = None if args.tactic is None else tuple(int(v) for v in args.tactic.split(","))
+    label = "default" if tactic is None else ",".join(map(str, tactic))  # one field for the scripts' awk
     for point in args.points.split(","):
         name, num_tokens = point.split(":")
         times, totals = profile_point(SHAPES[name], int(num_tokens), args.mode, tactic, fused=args.fused,
                                       ncu=args.ncu)
-        state = gpu_state(torch.device("cuda"))
-        label = "default" if tactic is None else ",".join(map(str, tactic))  # one field for the scripts' awk
         print(f"{name} T={num_tokens} {args.mode} tactic={label}: {sum(times.values()):.1f} us of kernels")
         for kernel, us in sorted(times.items(), key=lambda kv: -kv[1]):
             print(f"    {us:9.1f} us  {kernel}")
-        if totals:
+        if totals:  # not under --ncu, which profiles one forward and no clock is worth reading
+            state = gpu_state(torch.device("cuda"))
             print(f"    forwards: min {min(totals):.1f} / max {max(totals):.1f} us; gpu after: "
                   + " ".join(f"{k}={v}" for k, v in state.items()))
         torch.cuda.empty_cache()
