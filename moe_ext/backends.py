@@ -119,7 +119,7 @@ class HopperBackend:
         tactic = launcher.default_tactic(problem.num_tokens, problem.top_k, problem.num_experts,
                                          problem.num_local_experts, problem.n1 // parts,
                                          problem.hidden_size // parts, self._tiles(problem), sms,
-                                         self._wgmma(problem), problem.kernel_mode == "w4a16")
+                                         self._wgmma(problem), problem.kernel_mode == "w4a16", self._wide(problem))
         return tactic + (1,) if self._both_widths(problem) else tactic
 
     def run(self, problem: MoEProblem, tactic: Tactic, out: torch.Tensor,

@@ -317,7 +317,8 @@ def tactics(tiles: tuple, wgmma: bool = False, mixed: bool = True, wide: tuple =
 
 
 def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, n1: int, hidden: int,
-                   tiles: tuple, num_sms: int, wgmma: bool = False, mixed: bool = True) -> tuple:
+                   tiles: tuple, num_sms: int, wgmma: bool = False, mixed: bool = True,
+                   wide: tuple = (False, False)) -> tuple:
     """The heuristic for untuned shapes.
 
     Tile: up to 64, the smallest with room for twice an expert's average rows. Decode streams an expert's weights
@@ -333,7 +334,9 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     GEMM that would split K keeps the streaming kernel): at 16-64 rows per expert they beat the best streaming tile
     by 1.16-1.61x despite the padding rows, and by 1.57-1.73x at T = 4096
     (benchmarks/results/h200_session4_checks.md). In the quantized modes (mixed=False) the two GEMMs take wgmma
-    together, when neither would split K.
+    together, when neither would split K. Where both GEMMs run wgmma on 128-token tiles, each GEMM whose weight
+    rows allow it (`wide`, wide_weights) takes 256-row weight tiles: at T = 4096 (128-256 rows per expert) 1.04-1.14x
+    faster on GEMM1 and 1.03-1.13x on GEMM2 than 128-row ones (benchmarks/results/h200_session14_checks.md §2).
     """
     local_slots = num_tokens * top_k * num_local_experts / max(1, num_experts)
     per_expert = local_slots / max(1, num_local_experts)
@@ -356,6 +359,8 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     splits = (split(n1), split(hidden))
     if wgmma and tile == WGMMA_TILE and (mixed or splits == (1, 1)):
         splits = tuple(WGMMA if s == 1 else s for s in splits)
+    if splits == (WGMMA, WGMMA):
+        splits = tuple(WGMMA_WIDE if w else WGMMA for w in wide)
     return (tile, *splits)
 
 

@@ -140,14 +140,21 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, wide, 132, wgmma=True) == (128, W, W)
     assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, wide, 132)[0] == 128  # no wgmma: streaming
     # 256-row weight tiles (WGMMA_WIDE): on 128-token tiles, for the GEMMs whose weight rows allow them, with the
-    # other GEMM on a wgmma kernel too; never by default.
+    # other GEMM on a wgmma kernel too; the default wherever both GEMMs run wgmma on 128-token tiles.
     WW = launcher.WGMMA_WIDE
     both = set(launcher.tactics(tiles, True, wide=(True, True))) - set(launcher.tactics(tiles, True))
     assert both == {(128, WW, W), (128, W, WW), (128, WW, WW)}
     assert set(launcher.tactics(tiles, True, mixed=False, wide=(False, True))) - set(launcher.tactics(tiles)) == {
         (128, W, W), (128, W, WW)}
     assert launcher.tactics(tiles, wide=(True, True)) == launcher.tactics(tiles)  # no wgmma linked
-    assert WW not in launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132, wgmma=True)
+    dsv3 = (4096, 8, 256, 256, 4096, 7168, tiles, 132, True)
+    assert launcher.default_tactic(*dsv3) == (128, W, W)  # wide=(False, False): nothing allows them
+    assert launcher.default_tactic(*dsv3, wide=(True, True)) == (128, WW, WW)
+    assert launcher.default_tactic(*dsv3, mixed=False, wide=(True, False)) == (128, WW, W)
+    # ... never where a GEMM splits K, on the 256-token tile, or in decode's streaming tiles
+    assert launcher.default_tactic(128, 1, 8, 8, 2048, 1024, tiles, 132, True, wide=(True, True)) == (128, W, 2)
+    assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, wide, 132, True, wide=(True, True)) == (256, W, W)
+    assert launcher.default_tactic(1, 8, 256, 32, 4096, 7168, tiles, 132, True, wide=(True, True)) == (8, 2, 1)
 
 
 def test_wide_weight_kernels_are_named_and_offered_only_where_rows_allow(monkeypatch):
