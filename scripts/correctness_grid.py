@@ -1,6 +1,6 @@
 """The whole correctness grid of issue 3 §4 on the kernels, against the reference on the same device.
 
-    python3 scripts/correctness_grid.py [--shard K/N] [--max-seconds S] [--out grid.json]
+    python3 scripts/correctness_grid.py [--shard K/N] [--tokens T,..] [--top-k K,..] [--max-seconds S] [--out grid.json]
 
 Cases: tests/conftest.py GRID_FACTORS, in full: quant mode (w4a16, w4a4, w4a4 per-token, w4a8) x activation (6;
 SiTU not with w4a8) x finalize x EP (1; 8 with ranks 0, 3, 7) x T {1, 7, 128, 515, 4096} x top_k {1, 2, 8} x
@@ -13,7 +13,8 @@ for the deterministic finalize a second run bitwise equal.
 Weights are drawn and prepared on the device once per (mode, activation, shape, EP rank) and shared by that
 group's 30 cases; activations are scaled to amax 4 so one x_global_scale serves every T. `--shard K/N` takes the
 groups g with g % N == K (one device call each); `--max-seconds` stops between cases and records where. The JSON
-holds a summary (cases run, failures, worst error per mode) and one record per case.
+holds a summary (cases run, failures, worst error per mode) and one record per case. `--tokens` / `--top-k` keep
+only those values of the two factors (a re-check of the cases a heuristic change moves).
 """
 from __future__ import annotations
 
@@ -87,10 +88,16 @@ def check(case: Case, fused: bool) -> dict:
                 ok=finite and rel <= gate and bitwise is not False)
 
 
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shard", default="0/1", help="K/N: the weight groups g with g %% N == K")
     parser.add_argument("--max-seconds", type=float, default=float("inf"))
+    parser.add_argument("--tokens", type=_ints, default=GRID_FACTORS["tokens"], help="T values, a subset of the grid's")
+    parser.add_argument("--top-k", type=_ints, default=GRID_FACTORS["top_k"], help="top_k values, a subset")
     parser.add_argument("--limit", type=int, default=None, help="at most this many cases (smoke runs)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="correctness_grid.json")
@@ -99,13 +106,16 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     records, stopped = [], None
     f = GRID_FACTORS
+    for name, values in (("tokens", args.tokens), ("top_k", args.top_k)):
+        if not set(values) <= set(f[name]):
+            parser.error(f"--{name.replace('_', '-')} {values}: a subset of the grid's {f[name]} expected")
     for index, (mode, act, shape, ep) in enumerate(groups()):
         if index % n != k:
             continue
         if stopped:
             break
         weights = prepare_group(mode, act, shape, ep, args.device, seed=index)
-        for tokens, top_k, fused in itertools.product(f["tokens"], f["top_k"], f["fused"]):
+        for tokens, top_k, fused in itertools.product(args.tokens, args.top_k, f["fused"]):
             if time.perf_counter() - start > args.max_seconds or (args.limit and len(records) >= args.limit):
                 stopped = dict(group=index, tokens=tokens, top_k=top_k, fused=fused)
                 break

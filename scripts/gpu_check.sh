@@ -5,7 +5,8 @@
 #   ep:        (2 GPUs) the expert-parallel tests on NCCL, the torchrun example; bench_ep: 1- vs 2-GPU benchmark
 #   wgmma:     the w4a16 / localized / tactic tests (they add the wgmma tactics), memcheck, profile, benchmark
 #   quant_wgmma: the w4a4 / w4a8 reference checks (they add the wgmma tactic), memcheck, their wgmma benchmark
-#   grid:      the full issue-3 correctness grid (13,200 cases), shards $GRID_SHARD ("K/N ...", default 0/1), 500 s each
+#   grid:      the full issue-3 correctness grid (13,200 cases), shards $GRID_SHARD ("K/N ...", default 0/1), 500 s each;
+#              $GRID_ARGS (e.g. "--tokens 515") narrows every shard
 #   ab_wgmma:  install, profile (as prefill) and check (wgmma-heavy kernel tests) each directory of $AB_DIRS,
 #              then reinstall $MOE_EXT_KERNEL_DIR (unless it ran alone)
 #   ab_tactics: per-kernel profile of each tactic of $AB_TACTICS ("default" or "tile,split1,split2") at $AB_POINTS
@@ -110,7 +111,7 @@ elif [ "$PART" = grid ]; then  # GRID_SHARD: one or more K/N, space-separated; G
   for shard in ${GRID_SHARD:-0/1}; do
     name=grid_${shard%/*}of${shard#*/}
     step "$name" $(( ${GRID_SECONDS:-500} + 40 )) python3 scripts/correctness_grid.py --shard "$shard" \
-      --max-seconds "${GRID_SECONDS:-500}" --out "$OUT/$name.json"
+      --max-seconds "${GRID_SECONDS:-500}" ${GRID_ARGS:-} --out "$OUT/$name.json"
     grep FAILED "$LOG/$name.log" | head -20 >> "$OUT/summary.txt"
     rm -f "$LOG/$name.log"
   done

@@ -66,3 +66,21 @@ def test_the_fused_gate_admits_accumulation_order_and_nothing_more():
     assert rel_l2((exact[0].float() * 1.02).to(torch.bfloat16), exact[0]) > gate
     deterministic = build_problem(**case.kwargs(use_fused_finalize=False))
     assert reference_and_gate(deterministic, TOLERANCE["w4a16"])[1] == TOLERANCE["w4a16"]
+
+
+def test_token_and_top_k_filters_keep_only_those_cases(tmp_path):
+    grid = load_script()
+    out = tmp_path / "grid.json"
+    assert grid.main(["--device", "cpu", "--tokens", "7", "--top-k", "2,8", "--shard", "5/440",
+                      "--out", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert [(r["tokens"], r["top_k"], r["fused"]) for r in records] == [
+        (7, 2, True), (7, 2, False), (7, 8, True), (7, 8, False)]
+
+
+def test_filters_outside_the_grid_are_refused():
+    import pytest
+
+    grid = load_script()
+    with pytest.raises(SystemExit):
+        grid.main(["--device", "cpu", "--tokens", "16"])
