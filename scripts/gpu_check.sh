@@ -5,8 +5,8 @@
 #   ep:        (2 GPUs) the expert-parallel tests on NCCL, the torchrun example; bench_ep: 1- vs 2-GPU benchmark
 #   wgmma:     the w4a16 / localized / tactic tests (they add the wgmma tactics), memcheck, profile, benchmark
 #   quant_wgmma: the w4a4 / w4a8 reference checks (they add the wgmma tactic), memcheck, their wgmma benchmark
-#   grid:      the full issue-3 correctness grid (13,200 cases), shards $GRID_SHARD ("K/N ...", default 0/1), 500 s each;
-#              $GRID_ARGS (e.g. "--tokens 515") narrows every shard
+#   grid:      the full issue-3 correctness grid (13,200 cases), shards $GRID_SHARD ("K/N ...", default 0/1),
+#              500 s each; $GRID_ARGS (e.g. "--tokens 515") narrows every shard
 #   ab_wgmma:  install, profile (as prefill) and check (wgmma-heavy kernel tests) each directory of $AB_DIRS,
 #              then reinstall $MOE_EXT_KERNEL_DIR (unless it ran alone)
 #   ab_tactics: per-kernel profile of each tactic of $AB_TACTICS ("default" or "tile,split1,split2") at $AB_POINTS
