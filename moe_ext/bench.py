@@ -134,21 +134,22 @@ def _choices(allowed):
     return parse
 
 
-def _token_list(text: str) -> list[int]:
+def positive_ints(text: str) -> list[int]:
+    """argparse type: a comma-separated list of positive integers (token counts, top-k values)."""
     try:
-        tokens = [int(t) for t in text.split(",") if t.strip()]
+        values = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
-    if not tokens or min(tokens) < 1:
-        raise argparse.ArgumentTypeError(f"token counts must be positive integers, got {text!r}")
-    return tokens
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m moe_ext.bench", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--shapes", type=_choices(tuple(SHAPES)), default=list(SHAPES), help="layers to run")
-    parser.add_argument("--tokens", type=_token_list, default=list(TOKENS), help="token counts T")
+    parser.add_argument("--tokens", type=positive_ints, default=list(TOKENS), help="token counts T")
     parser.add_argument("--modes", type=_choices(QUANT_MODES), default=list(QUANT_MODES), help="moe_ext quant modes")
     parser.add_argument("--finalize", type=_choices(tuple(FINALIZE)), default=list(FINALIZE),
                         help="moe_ext finalize: fused (use_fused_finalize=True) and/or deterministic")

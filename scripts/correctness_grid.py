@@ -33,6 +33,7 @@ from conftest import (ACTIVATIONS, GRID_FACTORS, MODES, TOLERANCE, Case, grid_al
 
 import moe_ext  # noqa: E402
 from moe_ext.backends import HOPPER, backend_for  # noqa: E402
+from moe_ext.bench import positive_ints  # noqa: E402
 from moe_ext.problem import build_problem  # noqa: E402
 
 NUM_EXPERTS = 16
@@ -88,16 +89,13 @@ def check(case: Case, fused: bool) -> dict:
                 ok=finite and rel <= gate and bitwise is not False)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",")]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shard", default="0/1", help="K/N: the weight groups g with g %% N == K")
     parser.add_argument("--max-seconds", type=float, default=float("inf"))
-    parser.add_argument("--tokens", type=_ints, default=GRID_FACTORS["tokens"], help="T values, a subset of the grid's")
-    parser.add_argument("--top-k", type=_ints, default=GRID_FACTORS["top_k"], help="top_k values, a subset")
+    parser.add_argument("--tokens", type=positive_ints, default=GRID_FACTORS["tokens"],
+                        help="T values, a subset of the grid's")
+    parser.add_argument("--top-k", type=positive_ints, default=GRID_FACTORS["top_k"], help="top_k values, a subset")
     parser.add_argument("--limit", type=int, default=None, help="at most this many cases (smoke runs)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="correctness_grid.json")

@@ -130,15 +130,15 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     assert launcher.default_tactic(128, 1, 8, 8, 2048, 1024, tiles, 132, True, mixed=False) == (128, 1, 2)
     # The 256-token tile runs only the wgmma GEMMs, both, and is the default from 512 rows per expert on (Mixtral
     # at T=4096: 1024); 128 rows per expert (DeepSeek-V3 at T=4096) stay on 128.
-    wide = tiles + (launcher.WIDE_WGMMA_TILE,)
-    assert set(launcher.tactics(wide, wgmma=True)) - set(launcher.tactics(tiles, wgmma=True)) == {(256, W, W)}
-    assert set(launcher.tactics(wide, wgmma=True, mixed=False)) - set(launcher.tactics(tiles)) == {
+    with_256 = tiles + (launcher.WIDE_WGMMA_TILE,)
+    assert set(launcher.tactics(with_256, wgmma=True)) - set(launcher.tactics(tiles, wgmma=True)) == {(256, W, W)}
+    assert set(launcher.tactics(with_256, wgmma=True, mixed=False)) - set(launcher.tactics(tiles)) == {
         (128, W, W), (256, W, W)}
-    assert launcher.tactics(wide) == launcher.tactics(tiles)  # without the wgmma GEMMs linked, no 256 tactic
-    assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, wide, 132, wgmma=True) == (256, W, W)
-    assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, wide, 132, True, mixed=False) == (256, W, W)
-    assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, wide, 132, wgmma=True) == (128, W, W)
-    assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, wide, 132)[0] == 128  # no wgmma: streaming
+    assert launcher.tactics(with_256) == launcher.tactics(tiles)  # without the wgmma GEMMs linked, no 256 tactic
+    assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, with_256, 132, wgmma=True) == (256, W, W)
+    assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, with_256, 132, True, mixed=False) == (256, W, W)
+    assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, with_256, 132, wgmma=True) == (128, W, W)
+    assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, with_256, 132)[0] == 128  # no wgmma: streaming
     # 256-row weight tiles (WGMMA_WIDE): on 128-token tiles, for the GEMMs whose weight rows allow them, with the
     # other GEMM on a wgmma kernel too; the default wherever both GEMMs run wgmma on 128-token tiles.
     WW = launcher.WGMMA_WIDE
@@ -153,7 +153,7 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     assert launcher.default_tactic(*dsv3, mixed=False, wide=(True, False)) == (128, WW, W)
     # ... never where a GEMM splits K, on the 256-token tile, or in decode's streaming tiles
     assert launcher.default_tactic(128, 1, 8, 8, 2048, 1024, tiles, 132, True, wide=(True, True)) == (128, W, 2)
-    assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, wide, 132, True, wide=(True, True)) == (256, W, W)
+    assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, with_256, 132, True, wide=(True, True)) == (256, W, W)
     assert launcher.default_tactic(1, 8, 256, 32, 4096, 7168, tiles, 132, True, wide=(True, True)) == (8, 2, 1)
 
 
