@@ -7,8 +7,8 @@
 #   quant_wgmma: the w4a4 / w4a8 reference checks (they add the wgmma tactic), memcheck, their wgmma benchmark
 #   grid:      the full issue-3 correctness grid (13,200 cases), shards $GRID_SHARD ("K/N ...", default 0/1),
 #              500 s each; $GRID_ARGS (e.g. "--tokens 515") narrows every shard
-#   ab_wgmma:  install, profile (as prefill) and check (wgmma-heavy kernel tests) each directory of $AB_DIRS,
-#              then reinstall $MOE_EXT_KERNEL_DIR (unless it ran alone)
+#   ab_wgmma:  install, profile (each tactic of $AB_TACTICS at $AB_POINTS, default as prefill) and check
+#              (wgmma-heavy kernel tests) each directory of $AB_DIRS, then reinstall $MOE_EXT_KERNEL_DIR (unless alone)
 #   ab_tactics: per-kernel profile of each tactic of $AB_TACTICS ("default" or "tile,split1,split2") at $AB_POINTS
 #   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels)
 #   prefill:   per-kernel profile of the default tactic at T=4096 on five shapes (the wgmma GEMMs)
@@ -119,15 +119,20 @@ elif [ "$PART" = prefill ]; then  # per-kernel times where the wgmma GEMMs run (
   step profile_prefill 200 python3 benchmarks/profile_kernels.py \
     --points $PREFILL_T4096
 elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, wgmma variants); install + profile each
+  # at $AB_POINTS (default: the five shapes at T=4096) with each tactic of $AB_TACTICS ("default" or "tile,s1,s2")
   for d in ${AB_DIRS:-.kernels .kernels_dec2 .kernels_dec2lean}; do
     MOE_EXT_KERNEL_DIR=$PWD/$d MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_${d#.}.log" 2>&1
     echo "install $d rc=$?" | tee -a "$OUT/summary.txt"
-    step "prefill_${d#.}" 200 python3 benchmarks/profile_kernels.py \
-      --points $PREFILL_T4096
-    grep "us of kernels" "$LOG/prefill_${d#.}.log" | awk -v d="$d" '{t = t " " $1 " " $5} END {print d ":" t}' \
-      >> "$OUT/summary.txt"
+    for t in ${AB_TACTICS:-default}; do
+      args=()
+      [ "$t" = default ] || args=(--tactic "$t")
+      name="prefill_${d#.}_${t//,/_}"
+      step "$name" 200 python3 benchmarks/profile_kernels.py --points "${AB_POINTS:-$PREFILL_T4096}" "${args[@]}"
+      grep "us of kernels" "$LOG/$name.log" | awk -v d="$d $t" '{s = s " " $1 " " $5} END {print d ":" s}' \
+        >> "$OUT/summary.txt"
+    done
     [ "$PWD/$d" = "$MOE_EXT_KERNEL_DIR" ] || [ "${AB_CHECK:-1}" = 0 ] || tests_step "check_${d#.}" 150 \
-      tests/test_hopper_kernels.py -k "large_token_count or (shapes_and and 7168 and w4a16)"
+      tests/test_hopper_kernels.py -k "large_token_count or (shapes_and and 7168 and w4a16) or every_wgmma_width"
   done
   [ "$PARTS" = ab_wgmma ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
 elif [ "$PART" = ab_tactics ]; then  # AB_TACTICS: tactics ("default": the heuristic's), profiled at $AB_POINTS

@@ -19,6 +19,8 @@ if [ -z "${MOE_EXT_KERNEL_DIR:-}" ] && command -v nvcc >/dev/null && ! "$PY" -c 
   "$PY" -m pip install -q --no-deps nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
       nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1
   "$PY" -m pip install -q "cuda-bindings>=12.8" protobuf typing-extensions
+  # nvdisasm, for the SASS checks of the built kernels (scripts/kernel_sass.py)
+  "$PY" -m pip install -q --no-deps "nvidia-cuda-nvdisasm>=13,<14"
 fi
 "$PY" -m pip install -q --no-build-isolation --no-deps -e .
 "$PY" -c "import moe_ext, torch; print('moe_ext', moe_ext.__version__, 'torch', torch.__version__)"

@@ -1,5 +1,5 @@
 """SASS of exported kernel objects, without a GPU: the sm_90a cubin inside each `.o` that
-`python3 -m moe_ext.kernels.sm90.build` writes, disassembled with nvdisasm (PATH, $NVDISASM or Triton's copy).
+`python3 -m moe_ext.kernels.sm90.build` writes, disassembled with nvdisasm (see nvdisasm()).
 
     python3 scripts/kernel_sass.py .kernels/moe_gemm2_w4a16_t128_wgmma.o            # opcode counts, local memory
     python3 scripts/kernel_sass.py --sass .kernels/moe_gemm2_w4a16_t128_wgmma.o     # the whole listing
@@ -42,12 +42,16 @@ def embedded_cubin(obj: bytes) -> bytes:
 
 
 def nvdisasm() -> str:
+    """$NVDISASM, PATH, the nvidia-cuda-nvdisasm wheel (scripts/install.sh installs it beside CuTe-DSL), Triton's."""
     found = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
-    if not found:
+    for package, parts in (("nvidia", ("cu13", "bin", "nvdisasm")),
+                           ("triton", ("backends", "nvidia", "bin", "nvdisasm"))):
+        if found and os.path.exists(found):
+            break
         try:
-            import triton
-            found = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-        except ImportError:
+            module = __import__(package)
+            found = next(p for p in (os.path.join(d, *parts) for d in module.__path__) if os.path.exists(p))
+        except (ImportError, StopIteration):
             pass
     if not found or not os.path.exists(found):
         raise SystemExit("nvdisasm not found: put it on PATH or set NVDISASM")
@@ -78,13 +82,27 @@ def mainloop_local_ops(listing: str) -> int:
     return sum(1 for line in lines[hgmma[0]:hgmma[-1] + 1] if re.search(r"\b(LDL|STL)\b", line))
 
 
+_HGMMA_SHAPE = re.compile(r"HGMMA\.(\d+x\d+x\d+)")
+
+
 def serialized_wgmmas(listing: str) -> int:
-    """HGMMAs followed by a full wait (`WARPGROUP.DEPBAR.LE gsb0, 0x0`) before the next HGMMA: ptxas serialises
-    wgmmas this way when it cannot prove their register operands safe, and says nothing. The mainloop's last
-    wait (wait_group 0 after the last stage) is not counted."""
+    """HGMMAs followed by a full wait (`WARPGROUP.DEPBAR.LE gsb0, 0x0`) before the next HGMMA of the same shape:
+    ptxas serialises wgmmas this way when it cannot prove their register operands safe, and says nothing. A
+    mainloop's last wait (wait_group 0 after the last stage) is not counted, also where the next mainloop in the
+    listing (another wgmma width) follows it."""
     lines = [line for line in listing.splitlines() if "HGMMA" in line or "DEPBAR.LE gsb0, 0x0" in line]
+
+    def shape(line):
+        match = _HGMMA_SHAPE.search(line)
+        return match and match.group(1)
+
     return sum(1 for a, b, c in zip(lines, lines[1:], lines[2:])
-               if "HGMMA" in a and "DEPBAR" in b and "HGMMA" in c)
+               if "HGMMA" in a and "DEPBAR" in b and "HGMMA" in c and shape(a) == shape(c))
+
+
+def wgmma_widths(listing: str) -> list[int]:
+    """The N of every HGMMA shape in the listing (m64nNk16), ascending."""
+    return sorted({int(m.split("x")[1]) for m in _HGMMA_SHAPE.findall(listing)})
 
 
 def main(argv=None) -> int:
@@ -102,7 +120,7 @@ def main(argv=None) -> int:
         top = ", ".join(f"{op} {n}" for op, n in counts.most_common(12))
         print(f"{os.path.basename(path)}: {sum(counts.values())} instructions, local memory ops {local} "
               f"({mainloop_local_ops(listing)} inside the wgmma mainloop), serialized wgmmas "
-              f"{serialized_wgmmas(listing)}; {top}")
+              f"{serialized_wgmmas(listing)}, wgmma widths {wgmma_widths(listing)}; {top}")
     return 0
 
 

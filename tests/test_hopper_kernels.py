@@ -5,6 +5,8 @@ H100/H200 or without the kernels linked into moe_ext._C.
 Gates (issue 3): relative L2 error vs the reference <= 5e-3 for w4a16 and <= 2e-2 for w4a4/w4a8, where the
 kernels' fast ex2/rcp and their summation order can move an FC2-input value across a rounding point."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import (ACTS, GRID_FACTORS, TOLERANCE, gpu, grid_allowed, kernel_fc2_input_per_token, make_case,
@@ -84,6 +86,22 @@ def test_kernels_large_token_count(mode):
     case = make_case(mode, "swiglu", num_tokens=4096, top_k=8, num_experts=64, hidden=512, inter=256, seed=5,
                      invalid_fraction=0.02).to("cuda")
     check_against_reference(case, fused=False)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_pt", "w4a8"])
+def test_every_wgmma_width_and_token_rows_at_its_edges(mode):
+    """A 128-row routing tile's wgmmas run as narrow as its valid rows allow (32, 64 or 128 tokens:
+    wgmma_mainloop.NARROW_WIDTHS) and the copier gathers only valid rows: experts whose rows put a tile at each
+    width's edges (1, 32 / 33, 64 / 65, 128 rows, and 129, 160, 193 for a second tile), on every tactic."""
+    rows = [1, 17, 32, 33, 64, 65, 128, 129, 160, 193]  # local expert e routes rows[e] tokens; one expert has none
+    tokens = sum(rows)
+    case = make_case(mode, "swiglu", num_tokens=tokens, top_k=1, num_experts=len(rows) + 1, hidden=256, inter=256,
+                     seed=3)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))[torch.randperm(tokens, generator=g)]
+    case = dataclasses.replace(case, ids=ids.view(tokens, 1).to(torch.int32)).to("cuda")
+    for fused in (True, False):
+        check_against_reference(case, fused, every_tile=False)
 
 
 @pytest.mark.parametrize("act,shape,ep_rank,tokens,top_k", [
