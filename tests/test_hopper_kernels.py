@@ -89,10 +89,9 @@ def test_kernels_large_token_count(mode):
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_pt", "w4a8"])
-def test_every_wgmma_width_and_token_rows_at_its_edges(mode):
-    """A 128-row routing tile's wgmmas run as narrow as its valid rows allow (32, 64 or 128 tokens:
-    wgmma_mainloop.NARROW_WIDTHS) and the copier gathers only valid rows: experts whose rows put a tile at each
-    width's edges (1, 32 / 33, 64 / 65, 128 rows, and 129, 160, 193 for a second tile), on every tactic."""
+def test_part_filled_routing_tiles_at_their_edges(mode):
+    """Experts whose rows leave an expert's last routing tile holding 1, 17, 32 / 33, 64 / 65 or 128 rows (and
+    129, 160, 193: a second tile), on every tactic: padding rows of a tile must never reach an output row."""
     rows = [1, 17, 32, 33, 64, 65, 128, 129, 160, 193]  # local expert e routes rows[e] tokens; one expert has none
     tokens = sum(rows)
     case = make_case(mode, "swiglu", num_tokens=tokens, top_k=1, num_experts=len(rows) + 1, hidden=256, inter=256,

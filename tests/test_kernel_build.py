@@ -185,7 +185,7 @@ def test_register_a_fragment_is_in_ptx_order():
 
     @cute.jit
     def probe():  # static layouts, read while tracing
-        tiled_mma = mainloop.make_tiled_mma()
+        tiled_mma = mainloop.make_tiled_mma(cfg)
         tv = tiled_mma.tv_layout_A_tiled  # (thread, value) -> (weight row, k) of one k16 block, column-major
         seen["coords"] = [[(tv((t, v)) % cfg.bn, tv((t, v)) // cfg.bn) for v in range(8)] for t in threads]
         fragment = tiled_mma.make_fragment_A(tiled_mma.get_slice(0).partition_shape_A((cfg.bn, 2 * cfg.bk)))
@@ -232,11 +232,8 @@ def test_wgmma_raster_visits_every_work_item_once_a_group_at_a_time(live, column
 
 def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernels):
     """The persistent wgmma GEMMs' SASS (read by scripts/kernel_sass.py from the exported objects) has register A
-    wgmmas, no local-memory traffic in the mainloop (a spill there would sit in the decode of every stage), no
-    wgmma that waits for the one before it, and a mainloop at each of NARROW_WIDTHS in the one-accumulator kernels
-    (128-row routing and weight tiles), one at TOKEN_BLOCK in the others."""
-    from moe_ext.kernels.sm90 import wgmma_mainloop
-
+    wgmmas, no local-memory traffic in the mainloop (a spill there would sit in the decode of every stage) and no
+    wgmma that waits for the one before it."""
     spec = importlib.util.spec_from_file_location(
         "kernel_sass", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "kernel_sass.py"))
     kernel_sass = importlib.util.module_from_spec(spec)
@@ -254,6 +251,4 @@ def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernel
         assert counts["HGMMA"] >= 4 and re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", listing), name  # A from registers
         assert kernel_sass.mainloop_local_ops(listing) == 0, name
         assert kernel_sass.serialized_wgmmas(listing) == 0, name
-        one_accumulator = "_t128_" in name and not name.endswith("_n256")
-        widths = wgmma_mainloop.NARROW_WIDTHS if one_accumulator else (wgmma_mainloop.TOKEN_BLOCK,)
-        assert kernel_sass.wgmma_widths(listing) == list(widths), name
+        assert kernel_sass.wgmma_widths(listing) == [128], name  # m64n128k16: one 128-token block per wgmma

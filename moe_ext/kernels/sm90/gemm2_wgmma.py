@@ -81,7 +81,7 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
                num_live_tiles: cute.Tensor, out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32,
                col_offset: Int32, top_k: Int32, fused: cutlass.Boolean, k_split: Int32, pdl: cutlass.Boolean,
                stream: cuda.CUstream):
-        tiled_mma = mainloop.make_tiled_mma()
+        tiled_mma = mainloop.make_tiled_mma(cfg)
         tok_layout = mainloop.token_layout(cfg)
         storage = mainloop.make_storage(cfg, tok_layout)
         w2_tma_atom, w2_tma = mainloop.raw_weight_tma(cfg, w2, cute.size(w2_alpha), hidden, inter)

@@ -66,10 +66,6 @@ MAX_SHARED_BYTES = 227 * 1024  # opt-in dynamic shared memory of a Hopper CTA
 TILES = (128, 256)  # the routing tiles the wgmma GEMMs are built for
 # (routing tile, weight rows) of every wgmma GEMM built: at most two accumulators (blocks x halves) fit the registers
 SHAPES = ((128, 128), (256, 128), (128, 256))
-# wgmma N (token rows) a 128-row routing tile with 128 weight rows may run at: the narrowest that covers the tile's
-# valid rows, so an expert's last, part-filled tile multiplies fewer padding rows. Kernels with two accumulators
-# keep one width: any choice there makes ptxas serialise every wgmma (C7512, registers).
-NARROW_WIDTHS = (32, 64, TOKEN_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -91,7 +87,6 @@ class WgmmaConfig:
     # Gathered token bytes a raster group of routing tiles may keep in L2 (a third of the H200's 50 MB): e.g. 8
     # tiles at K = 7168, 4 at K = 14336, 32 at K = 2048.
     group_bytes: int = 16 << 20
-    widths: tuple = (TOKEN_BLOCK,)  # wgmma N choices of a work item (ascending; the last is TOKEN_BLOCK)
 
     @property
     def threads(self) -> int:
@@ -114,9 +109,6 @@ class WgmmaConfig:
     def check(self) -> None:
         assert self.bm in (128, 256) and self.bn in (128, 256), "the thread mappings assume 128-row blocks"
         assert self.blocks * self.halves <= 2, "at most two 64 x 128 fp32 accumulators a consumer thread"
-        assert self.widths[-1] == TOKEN_BLOCK and list(self.widths) == sorted(set(self.widths))
-        assert len(self.widths) == 1 or self.blocks * self.halves == 1, "one accumulator to narrow"
-        assert len(self.widths) <= 3, "consume nests up to three widths"
         assert self.bk == 64, "one stage must be one 4-block group of the 128x4 scale layout"
         assert self.stages >= 3, "the consumers hold up to two stages (wgmma wait_group(1))"
         assert self.sf_block in (16, 32), "NVFP4 (16) or MXFP4 (32) weights"
@@ -140,22 +132,20 @@ DEFAULT = WgmmaConfig()
 
 def config_for_tile(tile: int, sf_block: int, weight_rows: int = 128) -> WgmmaConfig:
     """The config of a routing tile and weight tile: a 256-row routing tile holds two token blocks a stage (36.5 KB:
-    4 stages with s_c) and two accumulators (setmaxnreg 64 / 224: the copier keeps 16 gather addresses and their
-    row predicates in registers; at 56 its stage loop spilled); a 256-row weight tile two raw weight halves a stage
-    (25 KB: 6 stages with s_c), two accumulators and two register A buffers a half. Only the one-accumulator
-    kernels (128 x 128) narrow their wgmmas to the tile's valid rows (NARROW_WIDTHS)."""
+    4 stages with s_c) and two accumulators (setmaxnreg 56 / 224: the copier keeps 16 gather addresses); a 256-row
+    weight tile two raw weight halves a stage (25 KB: 6 stages with s_c), two accumulators and two register A
+    buffers a half."""
     if tile == 256:
         assert weight_rows == 128, "two token blocks and two weight halves would need four accumulators"
-        return WgmmaConfig(bm=256, stages=4, copier_regs=64, consumer_regs=224, sf_block=sf_block)
-    widths = NARROW_WIDTHS if weight_rows == WEIGHT_HALF else (TOKEN_BLOCK,)
-    return WgmmaConfig(bn=weight_rows, sf_block=sf_block, widths=widths)
+        return WgmmaConfig(bm=256, stages=4, copier_regs=56, consumer_regs=224, sf_block=sf_block)
+    return WgmmaConfig(bn=weight_rows, sf_block=sf_block)
 
 
-def make_tiled_mma(width: int = TOKEN_BLOCK):
+def make_tiled_mma(cfg: WgmmaConfig):
     """bf16 x bf16 -> fp32, swap-AB: A = weight rows from registers (M, two consumer warpgroups of 64 stacked),
-    B = `width` token rows from shared memory (N), both K-major. Call inside a jit."""
+    B = token rows from shared memory (N = bm), both K-major. Call inside a jit."""
     return sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                             (2, 1, 1), tiler_mn=(64, width), a_source=OperandSource.RMEM)
+                                             (2, 1, 1), tiler_mn=(64, TOKEN_BLOCK), a_source=OperandSource.RMEM)
 
 
 def token_layout(cfg: WgmmaConfig):
@@ -265,18 +255,13 @@ def token_sources(tAcA, a_base: Int64, a_row_offset) -> cute.Tensor:
     return a_src
 
 
-@cute.jit
-def issue_token_stage(cfg: cutlass.Constexpr, cp_atom, tAsA, tAcA, a_src: cute.Tensor, valid, kt, stage):
-    """cp.async 16 bytes of each of this thread's token chunks of K stage kt into the token tile's `stage`, for the
-    block's `valid` rows only: a padding row's token column is multiplied (or, narrowed, not even that) but never
-    stored, and an output column reads only its own token row, so whatever the slot holds there is harmless."""
+def issue_token_stage(cfg: WgmmaConfig, cp_atom, tAsA, a_src: cute.Tensor, kt, stage):
+    """cp.async 16 bytes of each of this thread's token chunks of K stage kt into the token tile's `stage`."""
     k_bytes = Int64(kt) * Int64(cfg.bk * 2)
-    for i in cutlass.range_constexpr(cute.size(tAsA, mode=[1])):
-        m, _ = tAcA[(0, i, 0)]
-        if m < valid:
-            src = cute.make_tensor(cute.make_ptr(BFloat16, a_src[i] + k_bytes, cute.AddressSpace.gmem,
-                                                 assumed_align=16), cute.make_layout(((8, 1),)))
-            cute.copy(cp_atom, src, tAsA[(None, i, 0, stage)])
+    for i in range(cute.size(tAsA, mode=[1])):
+        src = cute.make_tensor(cute.make_ptr(BFloat16, a_src[i] + k_bytes, cute.AddressSpace.gmem, assumed_align=16),
+                               cute.make_layout(((8, 1),)))
+        cute.copy(cp_atom, src, tAsA[(None, i, 0, stage)])
 
 
 class RawRing:
@@ -371,17 +356,16 @@ def decode_a_stage(cfg: WgmmaConfig, ring: RawRing, ring8: RawRing, pick: Int32,
 
 @cute.jit
 def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_scales: Int32, tid, a_base: Int64,
-                a_row_offset: cutlass.Constexpr, valid, tma_atom, tma_w, w_sf, expert, first_row, rows_per_expert,
-                k_extent, fill):
-    """The copier over all K stages of one work item, from ring state `fill` (returned advanced). A row m < `valid`
-    of the token tile starts `a_row_offset(m)` bytes past `a_base` (bf16, 16-byte aligned rows); the weight rows are
+                a_row_offset: cutlass.Constexpr, tma_atom, tma_w, w_sf, expert, first_row, rows_per_expert, k_extent,
+                fill):
+    """The copier over all K stages of one work item, from ring state `fill` (returned advanced). A row m of the
+    token tile starts `a_row_offset(m)` bytes past `a_base` (bf16, 16-byte aligned rows); the weight rows are
     [first_row, first_row + bn) of `expert` in the 4-bit `w` of `rows_per_expert` rows and K = k_extent, block
     scales `w_sf` (cfg.sf_block). The copier waits for its last copies once, after its last item."""
     blocks = []  # (cp.async atom, block partition, gather addresses) of each token block
     for b in cutlass.range_constexpr(cfg.blocks):
         cp_atom, tAsA, tAcA = token_copy_partition(cfg, tokens[b], tid)
-        blocks.append((cp_atom, tAsA, tAcA, token_sources(tAcA, a_base, lambda m: a_row_offset(m + b * TOKEN_BLOCK)),
-                       valid - b * TOKEN_BLOCK))
+        blocks.append((cp_atom, tAsA, token_sources(tAcA, a_base, lambda m: a_row_offset(m + b * TOKEN_BLOCK))))
     ring = cute.make_tensor(cute.make_ptr(cutlass.Uint8, raw_codes, cute.AddressSpace.smem, assumed_align=1024),
                             cute.make_layout((1, cfg.bn, cfg.bk // 2, cfg.stages),
                                              stride=(0, cfg.bk // 2, 1, cfg.bn * cfg.bk // 2)))
@@ -399,8 +383,8 @@ def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_sc
         copied.producer_acquire(fill)  # the consumers are done with the stage's tokens and raw weights
         if warp == 0:
             issue_b_stage(cfg, copied, fill, tma_atom, boxes, slots, sf_tiles, kt, tid % 32)
-        for cp_atom, tAsA, tAcA, a_src, block_valid in blocks:
-            issue_token_stage(cfg, cp_atom, tAsA, tAcA, a_src, block_valid, kt, fill.index)
+        for cp_atom, tAsA, a_src in blocks:
+            issue_token_stage(cfg, cp_atom, tAsA, a_src, kt, fill.index)
         copied.producer_commit(fill)  # cp.async.mbarrier.arrive.noinc: lands with this thread's copies
         fill.advance()
     return fill
@@ -447,28 +431,22 @@ def mma_stage(cfg: cutlass.Constexpr, copied, tiled_mma: cute.TiledMma, accs, tC
 
 
 @cute.jit
-def consume_at_width(cfg: cutlass.Constexpr, width: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32,
-                     raw_scales: Int32, lut: Int32, tiled_mma: cute.TiledMma, wg, ctid, k_extent, read, release,
-                     finish: cutlass.Constexpr):
-    """acc (64 weight rows per warpgroup x `width` tokens, one per weight half and token block) = A . tokens^T over
-    all K stages of one work item, A decoded from each stage's raw slot straight into the wgmma's register
+def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_scales: Int32, lut: Int32,
+            tiled_mma: cute.TiledMma, wg, ctid, k_extent, read, release, finish: cutlass.Constexpr):
+    """acc (64 weight rows per warpgroup x TOKEN_BLOCK tokens, one per weight half and token block) = A . tokens^T
+    over all K stages of one work item, A decoded from each stage's raw slot straight into the wgmma's register
     operand. Two register buffers a half alternate by stage: a stage decodes into one while the previous stage's
     wgmmas, reading the other, are still in flight (an in-flight wgmma's A registers must not be written). Then,
-    half by half and block by block, the accumulator is staged transposed into s_c [token][weight row] (its first
-    `width` rows), synchronised across both consumer warpgroups, and `finish(h, b)` runs the epilogue of weight
-    half h and token block b. Everything that touches the accumulators is here, so a narrow width's registers are
-    its own (ptxas serialises wgmmas whose accumulators are shared across branches). Returns the ring states
-    advanced."""
-    if cutlass.const_expr(width != TOKEN_BLOCK):
-        tiled_mma = make_tiled_mma(width)  # the same weight fragments; B = the stage's first `width` token rows
-        tokens = [cute.local_tile(t, (width, cfg.bk, cfg.stages), (0, 0, 0)) for t in tokens]
+    half by half and block by block, the accumulator is staged transposed into s_c [token][weight row],
+    synchronised across both consumer warpgroups, and `finish(h, b)` runs the epilogue of weight half h and token
+    block b. Returns the ring states advanced."""
     thr_wg = tiled_mma.get_slice((wg - FIRST_CONSUMER) * WARPGROUP)
     tCrBs = [tiled_mma.make_fragment_B(thr_wg.partition_B(t)) for t in tokens]  # smem descriptors (MMA, N, K, stages)
     # registers, 2 buffers a half
     tCrAs = [tiled_mma.make_fragment_A(thr_wg.partition_shape_A((WEIGHT_HALF, 2 * cfg.bk))) for _ in
              range(cfg.halves)]
     a_words = [cute.recast_tensor(t, Int32) for t in tCrAs]
-    tCcC = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((WEIGHT_HALF, width)))
+    tCcC = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((WEIGHT_HALF, TOKEN_BLOCK)))
     accs = [[cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(cfg.blocks)] for _ in range(cfg.halves)]
     for half_accs in accs:
         for acc in half_accs:
@@ -504,31 +482,6 @@ def consume_at_width(cfg: cutlass.Constexpr, width: cutlass.Constexpr, copied, t
     return read, release
 
 
-@cute.jit
-def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_scales: Int32, lut: Int32,
-            tiled_mma: cute.TiledMma, wg, ctid, k_extent, valid, read, release, finish: cutlass.Constexpr):
-    """consume_at_width at the narrowest of cfg.widths that covers the work item's `valid` token rows. The width
-    branches nest (if / else): three sibling branches made ptxas serialise every wgmma (C7515)."""
-    w = cfg.widths
-    args = (copied, tokens, s_c, raw_codes, raw_scales, lut, tiled_mma, wg, ctid, k_extent)
-    if cutlass.const_expr(len(w) == 1):
-        read, release = consume_at_width(cfg, w[0], *args, read, release, finish)
-    elif cutlass.const_expr(len(w) == 2):
-        if valid <= w[0]:
-            read, release = consume_at_width(cfg, w[0], *args, read, release, finish)
-        else:
-            read, release = consume_at_width(cfg, w[1], *args, read, release, finish)
-    else:
-        if valid <= w[0]:
-            read, release = consume_at_width(cfg, w[0], *args, read, release, finish)
-        else:
-            if valid <= w[1]:
-                read, release = consume_at_width(cfg, w[1], *args, read, release, finish)
-            else:
-                read, release = consume_at_width(cfg, w[2], *args, read, release, finish)
-    return read, release
-
-
 def epilogue_thread(ctid):
     """(tile row, half) of a consumer thread in the epilogue: lanes 0-15 of a warp take 16 consecutive rows'
     first halves, lanes 16-31 their second halves, so 8 lanes of one 16-byte shared load read 8 different rows."""
@@ -560,8 +513,8 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
         for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
             item = WorkItem(cfg, w, raster, tile_to_expert, tile_to_mn_limit)
             fill = copy_stages(cfg, copied, tokens, raw_codes, raw_scales, tidx, a_base,
-                               lambda m: a_row_offset(item, m), item.limit - item.row0, tma_atom, tma_w, w_sf,
-                               item.expert, item.n_tile * cfg.bn, rows_per_expert, k_extent, fill)
+                               lambda m: a_row_offset(item, m), tma_atom, tma_w, w_sf, item.expert,
+                               item.n_tile * cfg.bn, rows_per_expert, k_extent, fill)
         drain_copies()
     else:
         cute.arch.setmaxregister_increase(cfg.consumer_regs)
@@ -581,4 +534,4 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
                     epilogue(item, n_tile, s_c, r, half, row)
 
             read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, tiled_mma, wg, ctid,
-                                    k_extent, item.limit - item.row0, read, release, finish)
+                                    k_extent, read, release, finish)
