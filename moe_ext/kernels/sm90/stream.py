@@ -83,13 +83,13 @@ def config_for(tokens: int, gemm: int) -> StreamConfig:
     thread. It was 8-29% faster for GEMM1 on 8-token tiles and for both GEMMs on 64-token tiles (session 6, with
     the cp.async ring). GEMM2 on 8-token tiles keeps one CTA of two 8-warp K slices (twice the bytes in flight):
     Mixtral's GEMM2 (K = 14336 over 32 column tiles) was 1.2-1.4x slower with two CTAs.
-    On 16- and 32-token tiles three CTAs share an SM (6 warps a scheduler to hide the decode chains' latencies; 80
-    registers a thread, no spills; 4 stages and a 32 KB token tile fit 228 KB): at T = 64 on 16-token tiles both
-    GEMMs ran 1.05-1.21x faster than with two (session 15, h200_session15_checks.md). On 8-token tiles it was
-    0.75-1.30x, so they keep their forms."""
+    On 16-token tiles three CTAs share an SM (6 warps a scheduler to hide the decode chains' latencies; 80
+    registers a thread, no spills; 4 stages and a 32 KB token tile fit 228 KB): whole forwards 1.07-1.14x faster
+    than with two at T = 64 and 256 on five shapes (session 15, h200_session15_checks.md). On 32-token tiles it was
+    0.89-1.06x (its K chunk halves again), on 8-token tiles 0.75-1.30x: they keep their forms."""
     if tokens <= 8 and gemm == 2:
         return StreamConfig(k_slices=2)
-    if tokens in (16, 32):
+    if tokens == 16:
         return StreamConfig(stages=4, ctas_per_sm=3, token_elems=16384)
     if tokens <= 64:
         return StreamConfig(stages=4, ctas_per_sm=2)
