@@ -132,7 +132,7 @@ elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, 
         >> "$OUT/summary.txt"
     done
     [ "$PWD/$d" = "$MOE_EXT_KERNEL_DIR" ] || [ "${AB_CHECK:-1}" = 0 ] || tests_step "check_${d#.}" 150 \
-      tests/test_hopper_kernels.py -k "large_token_count or (shapes_and and 7168 and w4a16) or every_wgmma_width"
+      tests/test_hopper_kernels.py -k "large_token_count or (shapes_and and 7168 and w4a16) or part_filled"
   done
   [ "$PARTS" = ab_wgmma ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
 elif [ "$PART" = ab_tactics ]; then  # AB_TACTICS: tactics ("default": the heuristic's), profiled at $AB_POINTS

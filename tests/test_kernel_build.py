@@ -231,18 +231,24 @@ def test_wgmma_raster_visits_every_work_item_once_a_group_at_a_time(live, column
         w += size * columns
 
 
-def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernels):
+@pytest.fixture(scope="module")
+def kernel_sass():
+    """scripts/kernel_sass.py as a module, with an nvdisasm to run."""
+    spec = importlib.util.spec_from_file_location(
+        "kernel_sass", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "kernel_sass.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        module.nvdisasm()
+    except SystemExit:
+        pytest.skip("nvdisasm not available")
+    return module
+
+
+def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernels, kernel_sass):
     """The persistent wgmma GEMMs' SASS (read by scripts/kernel_sass.py from the exported objects) has register A
     wgmmas, no local-memory traffic in the mainloop (a spill there would sit in the decode of every stage) and no
     wgmma that waits for the one before it."""
-    spec = importlib.util.spec_from_file_location(
-        "kernel_sass", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "kernel_sass.py"))
-    kernel_sass = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kernel_sass)
-    try:
-        kernel_sass.nvdisasm()
-    except SystemExit:
-        pytest.skip("nvdisasm not available")
     for name in ("moe_gemm1_w4a16_swiglu_t128_wgmma", "moe_gemm2_w4a16_t128_wgmma", "moe_gemm2_w4a8_t128_wgmma",
                  "moe_gemm1_w4a16_swiglu_t256_wgmma", "moe_gemm2_w4a16_t256_wgmma", "moe_gemm1_w4a8_relu2_t256_wgmma",
                  "moe_gemm1_w4a16_swiglu_t128_wgmma_n256", "moe_gemm2_w4a16_t128_wgmma_n256",
@@ -253,3 +259,16 @@ def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernel
         assert kernel_sass.mainloop_local_ops(listing) == 0, name
         assert kernel_sass.serialized_wgmmas(listing) == 0, name
         assert kernel_sass.wgmma_widths(listing) == [128], name  # m64n128k16: one 128-token block per wgmma
+
+
+def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):
+    """The 16-token streaming GEMMs run three CTAs an SM (stream.config_for), which caps them at 80 registers a
+    thread: none of them may touch local memory (a spill would sit in every K step's decode)."""
+    from moe_ext.kernels.sm90 import stream
+
+    assert stream.config_for(16, 1).ctas_per_sm == stream.config_for(16, 2).ctas_per_sm == 3
+    names = [n for n in (built_kernels / "kernels.txt").read_text().split() if n.endswith("_t16")]
+    assert len(names) == 19  # 15 GEMM1 (modes x activations) + 4 GEMM2
+    for name in names:
+        counts = kernel_sass.opcode_counts(kernel_sass.sass(str(built_kernels / f"{name}.o")))
+        assert counts["LDL"] + counts["STL"] == 0, name
