@@ -56,6 +56,17 @@ step() {  # step NAME TIMEOUT COMMAND...: run, log to $LOG/NAME.log, note rc and
   echo "$name rc=$? :: $(tail -n 1 "$LOG/$name.log")" | tee -a "$OUT/summary.txt"
   pack
 }
+profile_tactics() {  # profile_tactics PREFIX LABEL: each tactic of $AB_TACTICS at $AB_POINTS, sums into the summary
+  local t name args
+  for t in ${AB_TACTICS:-default}; do
+    args=()
+    [ "$t" = default ] || args=(--tactic "$t")
+    name="$1${t//,/_}"
+    step "$name" 200 python3 benchmarks/profile_kernels.py --points "${AB_POINTS:-$PREFILL_T4096}" "${args[@]}"
+    grep "us of kernels" "$LOG/$name.log" | awk -v t="$2$t" '{s = s " " $1 " " $5} END {print t ":" s}' \
+      >> "$OUT/summary.txt"
+  done
+}
 tests_step() {  # tests_step NAME TIMEOUT PYTEST-ARGS...: a pytest step, its failures copied into the summary
   local name=$1 limit=$2; shift 2
   step "$name" "$limit" python3 -m pytest -q -p no:cacheprovider "$@"
@@ -123,27 +134,13 @@ elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, 
   for d in ${AB_DIRS:-.kernels .kernels_dec2 .kernels_dec2lean}; do
     MOE_EXT_KERNEL_DIR=$PWD/$d MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_${d#.}.log" 2>&1
     echo "install $d rc=$?" | tee -a "$OUT/summary.txt"
-    for t in ${AB_TACTICS:-default}; do
-      args=()
-      [ "$t" = default ] || args=(--tactic "$t")
-      name="prefill_${d#.}_${t//,/_}"
-      step "$name" 200 python3 benchmarks/profile_kernels.py --points "${AB_POINTS:-$PREFILL_T4096}" "${args[@]}"
-      grep "us of kernels" "$LOG/$name.log" | awk -v d="$d $t" '{s = s " " $1 " " $5} END {print d ":" s}' \
-        >> "$OUT/summary.txt"
-    done
+    profile_tactics "prefill_${d#.}_" "$d "
     [ "$PWD/$d" = "$MOE_EXT_KERNEL_DIR" ] || [ "${AB_CHECK:-1}" = 0 ] || tests_step "check_${d#.}" 150 \
       tests/test_hopper_kernels.py -k "large_token_count or (shapes_and and 7168 and w4a16) or part_filled"
   done
   [ "$PARTS" = ab_wgmma ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
 elif [ "$PART" = ab_tactics ]; then  # AB_TACTICS: tactics ("default": the heuristic's), profiled at $AB_POINTS
-  for t in ${AB_TACTICS:-default}; do
-    args=()
-    [ "$t" = default ] || args=(--tactic "$t")
-    step "prefill_tactic_${t//,/_}" 200 python3 benchmarks/profile_kernels.py --points "${AB_POINTS:-$PREFILL_T4096}" \
-      "${args[@]}"
-    grep "us of kernels" "$LOG/prefill_tactic_${t//,/_}.log" |
-      awk -v t="$t" '{s = s " " $1 " " $5} END {print t ":" s}' >> "$OUT/summary.txt"
-  done
+  profile_tactics prefill_tactic_ ""
 elif [ "$PART" = sweep ]; then  # issue 4's sweep, w4a16 fused, all three impls (carry .offline/triton_kernels_v3.6)
   step sweep "${SWEEP_SECONDS:-560}" env PYTHONPATH="$PWD:$PWD/.offline/triton_kernels_v3.6" python3 -m moe_ext.bench \
     --shapes qwen3-30b-a3b,deepseek-v3-ep8,gpt-oss-120b,mixtral-8x7b,deepseek-v3 \

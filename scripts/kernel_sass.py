@@ -42,18 +42,20 @@ def embedded_cubin(obj: bytes) -> bytes:
 
 
 def nvdisasm() -> str:
-    """$NVDISASM, PATH, the nvidia-cuda-nvdisasm wheel (scripts/install.sh installs it beside CuTe-DSL), Triton's."""
-    found = os.environ.get("NVDISASM") or shutil.which("nvdisasm")
-    for package, parts in (("nvidia", ("cu13", "bin", "nvdisasm")),
-                           ("triton", ("backends", "nvidia", "bin", "nvdisasm"))):
-        if found and os.path.exists(found):
-            break
-        try:
-            module = __import__(package)
-            found = next(p for p in (os.path.join(d, *parts) for d in module.__path__) if os.path.exists(p))
-        except (ImportError, StopIteration):
-            pass
-    if not found or not os.path.exists(found):
+    """$NVDISASM if set, else PATH, the nvidia-cuda-nvdisasm wheel (scripts/install.sh installs it beside CuTe-DSL)
+    or Triton's copy."""
+    if os.environ.get("NVDISASM"):
+        candidates = [os.environ["NVDISASM"]]
+    else:
+        candidates = [shutil.which("nvdisasm")]
+        for package, parts in (("nvidia", ("cu13", "bin", "nvdisasm")),
+                               ("triton", ("backends", "nvidia", "bin", "nvdisasm"))):
+            try:
+                candidates += [os.path.join(d, *parts) for d in __import__(package).__path__]
+            except ImportError:
+                pass
+    found = next((c for c in candidates if c and os.path.exists(c)), None)
+    if found is None:
         raise SystemExit("nvdisasm not found: put it on PATH or set NVDISASM")
     return found
 
@@ -86,18 +88,12 @@ _HGMMA_SHAPE = re.compile(r"HGMMA\.(\d+x\d+x\d+)")
 
 
 def serialized_wgmmas(listing: str) -> int:
-    """HGMMAs followed by a full wait (`WARPGROUP.DEPBAR.LE gsb0, 0x0`) before the next HGMMA of the same shape:
-    ptxas serialises wgmmas this way when it cannot prove their register operands safe, and says nothing. A
-    mainloop's last wait (wait_group 0 after the last stage) is not counted, also where the next mainloop in the
-    listing (another wgmma width) follows it."""
+    """HGMMAs followed by a full wait (`WARPGROUP.DEPBAR.LE gsb0, 0x0`) before the next HGMMA: ptxas serialises
+    wgmmas this way when it cannot prove their register operands safe, and says nothing. The mainloop's last
+    wait (wait_group 0 after the last stage) is not counted."""
     lines = [line for line in listing.splitlines() if "HGMMA" in line or "DEPBAR.LE gsb0, 0x0" in line]
-
-    def shape(line):
-        match = _HGMMA_SHAPE.search(line)
-        return match and match.group(1)
-
     return sum(1 for a, b, c in zip(lines, lines[1:], lines[2:])
-               if "HGMMA" in a and "DEPBAR" in b and "HGMMA" in c and shape(a) == shape(c))
+               if "HGMMA" in a and "DEPBAR" in b and "HGMMA" in c)
 
 
 def wgmma_widths(listing: str) -> list[int]:

@@ -109,14 +109,14 @@ def test_launcher_table_generation_from_a_header(tmp_path):
 @pytest.mark.parametrize("gemm", [1, 2])
 @pytest.mark.parametrize("tokens", [8, 16, 32, 64, 128])
 def test_streaming_configs_fit_the_ctas_per_sm_they_ask_for(tokens, gemm):
-    """min_blocks_per_mp=n caps registers at 64K / (n x threads) a thread, which must leave the mainloop its 80
-    (three CTAs: 85 -> 80); shared memory plus the 1 KB the driver reserves per CTA must let n CTAs share the SM's
-    228 KB, or the request is a lie."""
+    """min_blocks_per_mp=n caps registers at 64K / (n x threads) a thread: 128 for one or two CTAs, and for three
+    (16-token tiles) the 80 their mainloop compiles in without spills; shared memory (plus the 1 KB the driver
+    reserves per CTA) must let n CTAs share the SM's 227 KB, or the request is a lie."""
     from moe_ext.kernels.sm90 import stream
 
     c = stream.config_for(tokens, gemm)
-    assert c.ctas_per_sm * (stream.shared_bytes(tokens, c) + 1024) <= 228 * 1024
-    assert 65536 // (c.ctas_per_sm * c.threads) >= 80
+    assert c.ctas_per_sm * (stream.shared_bytes(tokens, c) + 1024) <= 232448
+    assert 65536 // (c.ctas_per_sm * c.threads) >= (80 if c.ctas_per_sm == 3 else 128)
 
 
 @pytest.mark.parametrize("gemm", [1, 2])
