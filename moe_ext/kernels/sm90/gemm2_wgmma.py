@@ -7,7 +7,7 @@ per-token kernel) stored its quantization decoded again. Modes: w4a16 (NVFP4 wei
 input arriving decoded), w4a4_pt (also times the per-row FC2 scale `row_scale`), w4a8 (MXFP4 weights).
 
 Work items (m, n) over the persistent CTAs, as in gemm1_wgmma.py: item (m, n) takes routing tile m (128 permuted
-rows of one local expert, read in place: the FC2 input is already in permuted order) and weight rows
+rows of one local expert, read in place as TMA boxes: the FC2 input is already in permuted order) and weight rows
 [128n, 128n + 128) of this launch's N (= `hidden`: H, or H / 2 for a localized shard), whose output columns start
 at `col_offset` of rows `out_pitch` wide. Each valid row p (expanded slot s = t*K + k) gives y = bf16(scale * acc),
 with scale formed as gemm2.py forms it (pts2: w4a4_pt's row_scale[p], else 1):
@@ -15,6 +15,8 @@ with scale formed as gemm2.py forms it (pts2: w4a4_pt's row_scale[p], else 1):
   deterministic  scale = w2_alpha[e] * pts2; y is stored to the slot row out[s]
 """
 from __future__ import annotations
+
+import dataclasses
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -30,7 +32,8 @@ MODES = ("w4a16", "w4a4_pt", "w4a8")  # w4a4 runs the w4a16 kernel (launcher._WG
 def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
     if mode not in MODES:
         raise ValueError(f"the wgmma GEMM2 has no mode {mode}; modes: {MODES}")
-    cfg = cfg or gemm1_wgmma.config_for(mode)
+    # the FC2 input's rows are contiguous per routing tile: the copier loads them as TMA boxes
+    cfg = dataclasses.replace(cfg or gemm1_wgmma.config_for(mode), tma_tokens=True)
     cfg.check()
     per_thread = mainloop.WEIGHT_HALF // 2  # output columns of one epilogue thread
 
@@ -41,13 +44,10 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
                            tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
                            out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32, col_offset: Int32,
                            top_k: Int32, fused: cutlass.Boolean, tiled_mma: cute.TiledMma,
-                           tok_layout: cute.ComposedLayout):
+                           tok_layout: cute.ComposedLayout, a_tma_atom: cute.CopyAtom, a_tma: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         cute.arch.griddepcontrol_wait()
-
-        def permuted_row_offset(item, m):
-            return Int64(cute.math.min(item.row0 + m, item.limit - 1)) * Int64(inter) * Int64(2)
 
         def epilogue(item, n_tile, s_c, r, half, row):
             expert = item.expert
@@ -70,8 +70,8 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
                 ptx.write_words(address, words)
 
         mainloop.run_roles(cfg, tidx, cta, num_live_tiles[0], tok_layout, tiled_mma, tile_to_expert,
-                           tile_to_mn_limit, a_bf16.iterator.toint(), permuted_row_offset, w2_tma_atom, w2_tma, w2_sf,
-                           hidden, inter, epilogue)
+                           tile_to_mn_limit, a_bf16.iterator.toint(), None, w2_tma_atom, w2_tma, w2_sf,
+                           hidden, inter, epilogue, token_tma=(a_tma_atom, a_tma))
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
@@ -85,9 +85,11 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
         tok_layout = mainloop.token_layout(cfg)
         storage = mainloop.make_storage(cfg, tok_layout)
         w2_tma_atom, w2_tma = mainloop.raw_weight_tma(cfg, w2, cute.size(w2_alpha), hidden, inter)
+        a_tma_atom, a_tma = mainloop.token_box_tma(cfg, a_bf16, inter, tok_layout)
         gemm2_wgmma_kernel(a_bf16, a_q, a_sf, row_scale, w2_tma_atom, w2_tma, w2_sf, w2_alpha, token_final_scales,
                            permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out, hidden,
-                           inter, out_pitch, col_offset, top_k, fused, tiled_mma, tok_layout).launch(
+                           inter, out_pitch, col_offset, top_k, fused, tiled_mma, tok_layout, a_tma_atom,
+                           a_tma).launch(
             grid=(cfg.ctas, 1, 1), block=(cfg.threads, 1, 1),
             smem=storage.size_in_bytes(), stream=stream, use_pdl=pdl)
 

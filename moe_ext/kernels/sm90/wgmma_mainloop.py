@@ -87,6 +87,9 @@ class WgmmaConfig:
     # Gathered token bytes a raster group of routing tiles may keep in L2 (a third of the H200's 50 MB): e.g. 8
     # tiles at K = 7168, 4 at K = 14336, 32 at K = 2048.
     group_bytes: int = 16 << 20
+    # Token stages as TMA boxes (warp 0 of the copier, one 128 x bk box a block) instead of the copier's cp.async
+    # gather: for token rows contiguous per routing tile (GEMM2's FC2 input, in permuted order).
+    tma_tokens: bool = False
 
     @property
     def threads(self) -> int:
@@ -291,22 +294,36 @@ def raw_weight_tma(cfg: WgmmaConfig, w: cute.Tensor, experts, rows_per_expert, k
     return weight_box_tma(w, experts, rows_per_expert, k_extent, cfg.bn, cfg.bk // 2)
 
 
+def token_box_tma(cfg: WgmmaConfig, a: cute.Tensor, k_extent, tok_layout):
+    """The launch function's TMA atom and coordinate tensor for token stages read as boxes (cfg.tma_tokens): `a` is
+    flat bf16 [rows, k_extent], a box is (TOKEN_BLOCK rows, bk) in the token stage's 128B-swizzled layout. Rows
+    past the end of `a` arrive as zeros; rows past a tile's valid ones are never stored."""
+    view = cute.make_tensor(a.iterator, cute.make_layout((cute.size(a) // k_extent, k_extent), stride=(k_extent, 1)))
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view,
+                                       cute.slice_(tok_layout, (None, None, 0)), (TOKEN_BLOCK, cfg.bk))
+
+
 @cute.jit
-def issue_b_stage(cfg: cutlass.Constexpr, copied, fill, tma_atom, boxes, slots, sf_tiles: list, kt, lane):
+def issue_b_stage(cfg: cutlass.Constexpr, copied, fill, tma_atom, boxes, slots, sf_tiles: list, token_boxes: list,
+                  kt, lane):
     """Warp 0 of the copier starts stage kt's weight copies into slot fill.index: lane 0 announces their bytes on
     the stage's `copied` barrier (its one extra arrival) and bulk-copies, for each weight half (`sf_tiles`: the
     half's first scale atom), the 512-byte scale atom that holds the stage's blocks (NVFP4: the 4 blocks of the
-    stage; MXFP4: 2 stages share an atom, decode_a_stage picks the half); the box copy elects its own lane, so the
-    whole warp calls it."""
+    stage; MXFP4: 2 stages share an atom, decode_a_stage picks the half); the box copies (weights, and with
+    cfg.tma_tokens each token block's, `token_boxes`: (atom, smem partition, box partition, row tile)) elect their
+    own lane, so the whole warp calls them."""
     bar = copied.producer_get_barrier(fill)
     stages_per_group = 4 * cfg.sf_block // cfg.bk
+    token_bytes = cfg.blocks * TOKEN_BLOCK * cfg.bk * 2 if cfg.tma_tokens else 0
     if lane == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(bar, cfg.bn * cfg.bk // 2 + cfg.halves * 512)
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, cfg.bn * cfg.bk // 2 + cfg.halves * 512 + token_bytes)
         for h in cutlass.range_constexpr(cfg.halves):
             ptx.cp_async_bulk(slots.scales + (fill.index * cfg.halves + h) * 512,
                               sf_tiles[h] + Int64(kt // stages_per_group) * Int64(512), 512, bar.toint())
     cute.arch.sync_warp()
     cute.copy(tma_atom, boxes[None, kt], slots.codes[None, fill.index], tma_bar_ptr=bar)
+    for atom, tAsA, tAgA, row_tile in token_boxes:
+        cute.copy(atom, tAgA[(None, row_tile, kt)], tAsA[(None, fill.index)], tma_bar_ptr=bar)
 
 
 class RawSlots(NamedTuple):
@@ -356,16 +373,25 @@ def decode_a_stage(cfg: WgmmaConfig, ring: RawRing, ring8: RawRing, pick: Int32,
 
 @cute.jit
 def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_scales: Int32, tid, a_base: Int64,
-                a_row_offset: cutlass.Constexpr, tma_atom, tma_w, w_sf, expert, first_row, rows_per_expert, k_extent,
-                fill):
+                a_row_offset: cutlass.Constexpr, token_tma, first_token_row, tma_atom, tma_w, w_sf, expert, first_row,
+                rows_per_expert, k_extent, fill):
     """The copier over all K stages of one work item, from ring state `fill` (returned advanced). A row m of the
-    token tile starts `a_row_offset(m)` bytes past `a_base` (bf16, 16-byte aligned rows); the weight rows are
+    token tile starts `a_row_offset(m)` bytes past `a_base` (bf16, 16-byte aligned rows), or with cfg.tma_tokens
+    is row first_token_row + m of `token_tma` (token_box_tma's atom and tensor); the weight rows are
     [first_row, first_row + bn) of `expert` in the 4-bit `w` of `rows_per_expert` rows and K = k_extent, block
     scales `w_sf` (cfg.sf_block). The copier waits for its last copies once, after its last item."""
-    blocks = []  # (cp.async atom, block partition, gather addresses) of each token block
+    blocks = []  # (cp.async atom, block partition, gather addresses) of each token block the copier gathers
+    token_boxes = []  # (TMA atom, smem partition, box partition, row tile) of each token block warp 0 loads
     for b in cutlass.range_constexpr(cfg.blocks):
-        cp_atom, tAsA, tAcA = token_copy_partition(cfg, tokens[b], tid)
-        blocks.append((cp_atom, tAsA, token_sources(tAcA, a_base, lambda m: a_row_offset(m + b * TOKEN_BLOCK))))
+        if cutlass.const_expr(cfg.tma_tokens):
+            atom, tensor = token_tma
+            tAsA, tAgA = cpasync.tma_partition(
+                atom, 0, cute.make_layout(1), cute.group_modes(tokens[b], 0, 2),
+                cute.group_modes(cute.local_tile(tensor, (TOKEN_BLOCK, cfg.bk), (None, None)), 0, 2))
+            token_boxes.append((atom, tAsA, tAgA, first_token_row // TOKEN_BLOCK + b))
+        else:
+            cp_atom, tAsA, tAcA = token_copy_partition(cfg, tokens[b], tid)
+            blocks.append((cp_atom, tAsA, token_sources(tAcA, a_base, lambda m: a_row_offset(m + b * TOKEN_BLOCK))))
     ring = cute.make_tensor(cute.make_ptr(cutlass.Uint8, raw_codes, cute.AddressSpace.smem, assumed_align=1024),
                             cute.make_layout((1, cfg.bn, cfg.bk // 2, cfg.stages),
                                              stride=(0, cfg.bk // 2, 1, cfg.bn * cfg.bk // 2)))
@@ -382,7 +408,7 @@ def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_sc
     for kt in cutlass.range(k_extent // cfg.bk, unroll=1):
         copied.producer_acquire(fill)  # the consumers are done with the stage's tokens and raw weights
         if warp == 0:
-            issue_b_stage(cfg, copied, fill, tma_atom, boxes, slots, sf_tiles, kt, tid % 32)
+            issue_b_stage(cfg, copied, fill, tma_atom, boxes, slots, sf_tiles, token_boxes, kt, tid % 32)
         for cp_atom, tAsA, a_src in blocks:
             issue_token_stage(cfg, cp_atom, tAsA, a_src, kt, fill.index)
         copied.producer_commit(fill)  # cp.async.mbarrier.arrive.noinc: lands with this thread's copies
@@ -496,9 +522,10 @@ def epilogue_thread(ctid):
 def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cute.TiledMma,
               tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, a_base: Int64,
               a_row_offset: cutlass.Constexpr, tma_atom, tma_w, w_sf, rows_per_expert, k_extent,
-              epilogue: cutlass.Constexpr):
+              epilogue: cutlass.Constexpr, token_tma=None):
     """Every role of a wgmma GEMM over its work items (`live` routing tiles x rows_per_expert / bn column tiles):
-    the copier gathers token row m of an item from `a_row_offset(item, m)` bytes past `a_base`, the weights are
+    the copier gathers token row m of an item from `a_row_offset(item, m)` bytes past `a_base` (with
+    cfg.tma_tokens: loads rows item.row0 + m of `token_tma` as boxes), the weights are
     `tma_w` / `w_sf` (K = k_extent), and after each item, for each weight half and token block with its fp32 tile
     in s_c, each consumer thread calls `epilogue(item, n_tile, s_c, r, half, row)` for the half's WEIGHT_HALF-row
     column tile n_tile, its s_c row r (routed row `row`, valid) and column half (epilogue_thread); the tile holds
@@ -513,8 +540,8 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
         for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
             item = WorkItem(cfg, w, raster, tile_to_expert, tile_to_mn_limit)
             fill = copy_stages(cfg, copied, tokens, raw_codes, raw_scales, tidx, a_base,
-                               lambda m: a_row_offset(item, m), tma_atom, tma_w, w_sf, item.expert,
-                               item.n_tile * cfg.bn, rows_per_expert, k_extent, fill)
+                               lambda m: a_row_offset(item, m), token_tma, item.row0, tma_atom, tma_w, w_sf,
+                               item.expert, item.n_tile * cfg.bn, rows_per_expert, k_extent, fill)
         drain_copies()
     else:
         cute.arch.setmaxregister_increase(cfg.consumer_regs)
