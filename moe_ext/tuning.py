@@ -93,7 +93,7 @@ class AutoTuner:
         self.tuning = False
         self.cache: dict[str, Tactic] = _TacticCache()
         self.warmup = 1
-        self.repeats = 3
+        self.repeats = 5
 
     @classmethod
     def get(cls) -> "AutoTuner":
@@ -118,8 +118,7 @@ class AutoTuner:
         if not self.tuning or capturing() or len(candidates) == 1:
             return default
         run = make_run()
-        timings = {tactic: profile(run, tactic, device, self.warmup, self.repeats, use_cuda_graph)
-                   for tactic in candidates}
+        timings = profile(run, list(candidates), device, self.warmup, self.repeats, use_cuda_graph)
         best = min(timings, key=timings.get)
         self.cache[repr(key)] = best
         return best
@@ -142,21 +141,25 @@ class AutoTuner:
         os.replace(tmp, path)
 
 
-def profile(run: Callable[[Tactic], None], tactic: Tactic, device: torch.device, warmup: int, repeats: int,
-            use_cuda_graph: bool, budget_s: float = 2e-3, max_repeats: int = 25) -> float:
-    """Median seconds of one run of `tactic`; through CUDA-graph replay when asked, so launch cost does not
-    decide between tactics at small T. At least `repeats` samples, and more (up to `max_repeats`) while they
-    add up to under `budget_s`: a decode forward of tens of microseconds gets a median that separates tactics a
-    few percent apart, a prefill forward of milliseconds is not timed for longer than it needs."""
-    for _ in range(warmup):
-        run(tactic)
-    graph = None
-    if device.type == "cuda" and use_cuda_graph:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+def profile(run: Callable[[Tactic], None], tactics: Sequence[Tactic], device: torch.device, warmup: int,
+            repeats: int, use_cuda_graph: bool, budget_s: float = 2e-3, max_repeats: int = 25) -> dict:
+    """Median seconds of one run of each of `tactics`; through CUDA-graph replay when asked, so launch cost does
+    not decide between tactics at small T. The candidates are sampled in rounds (one run of each, in an order
+    that rotates), so a drift of the clocks (a power-capped H200 moves by 5-10% over a second of prefill) shifts
+    every candidate alike instead of deciding between them. At least `repeats` rounds, and more (up to
+    `max_repeats`) while each candidate's samples add up to under `budget_s`: a decode forward of tens of
+    microseconds gets a median that separates tactics a few percent apart, a prefill forward of milliseconds is
+    not timed for longer than it needs."""
+    graphs = {}
+    for tactic in tactics:
+        for _ in range(warmup):
             run(tactic)
+        if device.type == "cuda" and use_cuda_graph:
+            graphs[tactic] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[tactic]):
+                run(tactic)
 
-    def sample() -> float:
+    def sample(tactic) -> float:
         if device.type != "cuda":
             start = time.perf_counter()
             run(tactic)
@@ -164,15 +167,19 @@ def profile(run: Callable[[Tactic], None], tactic: Tactic, device: torch.device,
         stream = torch.cuda.current_stream(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
-        graph.replay() if graph is not None else run(tactic)
+        graphs[tactic].replay() if tactic in graphs else run(tactic)
         end.record(stream)
         end.synchronize()
         return start.elapsed_time(end) / 1e3
 
-    samples = []
-    while len(samples) < repeats or (len(samples) < max_repeats and sum(samples) < budget_s):
-        samples.append(sample())
-    return statistics.median(samples)
+    samples = {tactic: [] for tactic in tactics}
+    rounds = 0
+    while rounds < repeats or (rounds < max_repeats and max(map(sum, samples.values())) < budget_s):
+        order = list(tactics[rounds % len(tactics):]) + list(tactics[:rounds % len(tactics)])
+        for tactic in order:
+            samples[tactic].append(sample(tactic))
+        rounds += 1
+    return {tactic: statistics.median(times) for tactic, times in samples.items()}
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@
 #   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels)
 #   prefill:   per-kernel profile of the default tactic at T=4096 on five shapes (the wgmma GEMMs)
 #   prefill_ncu: ncu sections of the wgmma GEMMs at $PREFILL_POINTS (default mixtral-8x7b:4096)
+#   ncu_source: ncu --set full of the first $NCU_KERNEL launch at each of $NCU_POINTS: details and per-SASS stalls
 #   tile_choice: per-kernel times of the default tactic vs (128, wgmma, wgmma) where experts get 16-64 rows; T=16384
 #   examples:  install, memcheck of every kernel, the examples, host overhead, fused vs deterministic finalize
 #   bench:     install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
@@ -152,6 +153,17 @@ elif [ "$PART" = prefill_ncu ]; then  # what bounds the wgmma GEMMs: pipes, shar
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
     --section SchedulerStats --section WarpStateStats --section Occupancy \
     python3 benchmarks/profile_kernels.py --points ${PREFILL_POINTS:-mixtral-8x7b:4096} --ncu
+elif [ "$PART" = ncu_source ]; then  # full ncu set + per-SASS stall samples of $NCU_KERNEL at each of $NCU_POINTS
+  for pt in ${NCU_POINTS:-deepseek-v3:1024}; do
+    rep="$LOG/ncu_${pt//:/_}"
+    step "ncu_${pt//:/_}" 240 ncu --clock-control none --profile-from-start off -k "regex:${NCU_KERNEL:-gemm1}" \
+      --launch-count 1 --set full --import-source no -f -o "$rep" python3 benchmarks/profile_kernels.py \
+      --points "$pt" --ncu
+    ncu -i "$rep.ncu-rep" --page details > "$rep.details.txt" 2>&1
+    ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.sass.csv" 2>&1
+    rm -f "$rep.ncu-rep"
+    pack
+  done
 elif [ "$PART" = tile_choice ]; then
   points=deepseek-v3:1024,gpt-oss-120b:1024,deepseek-v3-ep8:512,qwen3-30b-a3b:512,mixtral-8x7b:256
   step profile_default 80 python3 benchmarks/profile_kernels.py --points $points

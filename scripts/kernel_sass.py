@@ -101,10 +101,28 @@ def wgmma_widths(listing: str) -> list[int]:
     return sorted({int(m.split("x")[1]) for m in _HGMMA_SHAPE.findall(listing)})
 
 
+def mma_loops(listing: str) -> list[tuple[int, collections.Counter]]:
+    """(instructions, opcode counts) of each innermost loop whose body issues HMMA or HGMMA: the mainloop steps
+    the perf notes count instructions of (a body runs from a label to the last branch back to it)."""
+    lines = listing.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
+    spans = {}
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA(?:\.\S+)? `\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i:
+            spans[m.group(1)] = (labels[m.group(1)], i)
+    bodies = [(a, b) for a, b in spans.values()
+              if any("MMA" in line for line in lines[a:b + 1])]
+    innermost = [(a, b) for a, b in bodies if not any(a < c and d < b for c, d in bodies if (c, d) != (a, b))]
+    return [(sum(counts.values()), counts) for counts in
+            (opcode_counts("\n".join(lines[a:b + 1])) for a, b in sorted(innermost))]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("objects", nargs="+")
     parser.add_argument("--sass", action="store_true", help="print the whole listing")
+    parser.add_argument("--loops", action="store_true", help="also count each MMA loop body's instructions")
     args = parser.parse_args(argv)
     for path in args.objects:
         listing = sass(path)
@@ -117,6 +135,8 @@ def main(argv=None) -> int:
         print(f"{os.path.basename(path)}: {sum(counts.values())} instructions, local memory ops {local} "
               f"({mainloop_local_ops(listing)} inside the wgmma mainloop), serialized wgmmas "
               f"{serialized_wgmmas(listing)}, wgmma widths {wgmma_widths(listing)}; {top}")
+        for n, loop in mma_loops(listing) if args.loops else []:
+            print(f"  MMA loop: {n} instructions; " + ", ".join(f"{op} {k}" for op, k in loop.most_common(14)))
     return 0
 
 

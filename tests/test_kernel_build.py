@@ -272,3 +272,23 @@ def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):
     for name in names:
         counts = kernel_sass.opcode_counts(kernel_sass.sass(str(built_kernels / f"{name}.o")))
         assert counts["LDL"] + counts["STL"] == 0, name
+
+
+@pytest.mark.parametrize("nibble", [0, 4])
+def test_e2m1_pair_decode_bits_are_the_values_times_2_pow_minus_126(nibble):
+    """The kernels' e2m1 decode (ptx.e2m1_pair_bits: mask, multiply, mask), replayed on the CPU with its own
+    constants for every (low code, high code) pair and random bits in the other nibbles: each bf16 half is exactly
+    the code's value times 2^-126 (the subnormal 0.5 included)."""
+    import torch
+
+    from moe_ext.kernels.sm90 import ptx
+    from moe_ext.quant.formats import e2m1_decode
+
+    isolate, spread = ptx.e2m1_pair_constants(nibble)
+    low, high = (c.flatten() for c in torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij"))
+    noise = torch.randint(0, 1 << 32, (256,), generator=torch.Generator().manual_seed(nibble))
+    word = (noise & ~isolate) | (low << nibble) | (high << (nibble + 16))
+    bits = ((word & isolate) * spread) % (1 << 32) & (ptx.E2M1_PAIR_BITS & 0xFFFFFFFF)
+    halves = torch.stack([bits & 0xFFFF, bits >> 16], 1).to(torch.int32).to(torch.int16).view(torch.bfloat16)
+    expected = torch.stack([e2m1_decode(low), e2m1_decode(high)], 1)
+    assert torch.equal(halves.float() * 2.0 ** 126, expected)

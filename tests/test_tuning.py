@@ -238,9 +238,9 @@ def test_a_graph_wrapper_times_its_candidates_as_graph_replays(tuner, monkeypatc
     modes = []
     real_profile = tuning.profile
 
-    def spy(run, tactic, device, warmup, repeats, use_cuda_graph):
+    def spy(run, tactics, device, warmup, repeats, use_cuda_graph):
         modes.append(use_cuda_graph)
-        return real_profile(run, tactic, device, 1, 1, use_cuda_graph)
+        return real_profile(run, tactics, device, 1, 1, use_cuda_graph)
 
     monkeypatch.setattr(tuning, "profile", spy)
     case = make_case("w4a16", num_tokens=4)
@@ -267,7 +267,7 @@ def test_profile_takes_more_samples_of_short_runs_and_few_of_long_ones():
     def quick(tactic):
         calls.append(tactic)
 
-    profile(quick, (1,), torch.device("cpu"), warmup=1, repeats=3, use_cuda_graph=False)
+    profile(quick, [(1,)], torch.device("cpu"), warmup=1, repeats=3, use_cuda_graph=False)
     assert len(calls) == 1 + 25
 
     calls.clear()
@@ -276,5 +276,26 @@ def test_profile_takes_more_samples_of_short_runs_and_few_of_long_ones():
         calls.append(tactic)
         _time.sleep(0.003)
 
-    profile(slow, (1,), torch.device("cpu"), warmup=1, repeats=3, use_cuda_graph=False)
+    profile(slow, [(1,)], torch.device("cpu"), warmup=1, repeats=3, use_cuda_graph=False)
     assert len(calls) == 1 + 3
+
+
+def test_profile_samples_the_candidates_in_rotating_rounds():
+    """Every round runs each candidate once, starting one further along each time, so a clock that drifts during
+    tuning (a power-capped GPU) slows all candidates alike; each candidate's time is the median of its own
+    samples."""
+    import time as _time
+
+    from moe_ext.tuning import profile
+
+    calls = []
+    cost = {(1,): 0.003, (2,): 0.001, (3,): 0.002}
+
+    def run(tactic):
+        calls.append(tactic)
+        _time.sleep(cost[tactic])
+
+    timings = profile(run, list(cost), torch.device("cpu"), warmup=1, repeats=3, use_cuda_graph=False)
+    assert calls[:3] == [(1,), (2,), (3,)]  # the warm-up runs
+    assert calls[3:] == [(1,), (2,), (3,), (2,), (3,), (1,), (3,), (1,), (2,)]
+    assert min(timings, key=timings.get) == (2,) and max(timings, key=timings.get) == (1,)

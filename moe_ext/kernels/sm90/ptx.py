@@ -156,26 +156,40 @@ def pack_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
 BF16X2_2P126 = 0x7E807E80
 
 
+# An e2m1 pair's bf16x2 bits: magnitudes at bits 6..8 and 22..24, signs at bits 15 and 31.
+E2M1_PAIR_BITS = -2118090304  # 0x81C081C0
+
+
+def e2m1_pair_constants(nibble: int) -> tuple[int, int]:
+    """(mask, multiplier) of e2m1_pair_bits for codes at bits nibble.. and nibble+16.. (nibble 0 or 4)."""
+    return 0x000F000F << nibble, (1 << (6 - nibble)) + (1 << (12 - nibble))
+
+
 @dsl_user_op
-def e2m1x8_to_bf16x2(word: Int32, scale2: Int32, *, loc=None, ip=None) -> list:
-    """Eight packed e2m1 codes (code j in bits 4j..4j+3) -> four bf16x2 registers, pair i = (code i, code i+4),
-    each value times the bf16x2 `scale2`.
+def e2m1_pair_bits(word: Int32, nibble: int, *, loc=None, ip=None) -> Int32:
+    """The bf16x2 bit patterns (value * 2^-126) of the e2m1 codes at bits nibble..nibble+3 (low half) and
+    nibble+16..nibble+19 (high half) of `word`, `nibble` 0 or 4.
 
     The 3 magnitude bits go to bf16 bits 6..8 (exponent field = e2m1 exponent, top mantissa bit = e2m1 mantissa)
-    and the sign to bit 15: that bit pattern is exactly value * 2^-126 for every code, the subnormal 0.5 included,
-    so a single bf16 multiply by scale * 2^126 (or two exact ones) gives the decoded value. The pairing (i, i+4)
-    keeps both halves of a register at the same shift distance (16 bits), so one shift + mask serves both.
+    and the sign to bit 15: that bit pattern is exactly value * 2^-126 for every code, the subnormal 0.5 included.
+    One multiply places both: with the two codes isolated, x * (2^(6-n) + 2^(12-n)) writes a copy of each code at
+    bits 6..9 and 12..15 of its half (no two copies overlap, so no carries) and the mask keeps the magnitude of
+    the first copy and the sign of the second. Mask, multiply, mask: 3 instructions, one on the FMA pipe, where
+    shifting magnitude and sign apart took 4.
     """
-    w = Int32(word)
-    out = []
-    for i in range(4):
-        shift_mag = 6 - 4 * i
-        shift_sign = 12 - 4 * i
-        mag = (w << shift_mag) if shift_mag >= 0 else (w >> -shift_mag)  # the mask drops sign-filled bits
-        mag = mag & Int32(0x01C001C0)
-        sign = (w << shift_sign) & Int32(-2147450880)  # 0x80008000
-        out.append(mul_bf16x2(mag | sign, scale2))
-    return out
+    isolate, spread = e2m1_pair_constants(nibble)
+    text = (f"{{ .reg .b32 t; and.b32 t, $1, {isolate:#x}; mul.lo.u32 t, t, {spread:#x}; "
+            f"and.b32 $0, t, {E2M1_PAIR_BITS & 0xFFFFFFFF:#x}; }}")
+    return Int32(_asm(1, [Int32(word)], text, "=r,r"))
+
+
+def e2m1x8_to_bf16x2(word: Int32, scales: list) -> list:
+    """Eight packed e2m1 codes (code j in bits 4j..4j+3) -> four bf16x2 registers, pair i = (code i, code i+4)
+    times the bf16x2 scales[i] (exact: one bf16 multiply by scale * 2^126, or by a table entry with the
+    accumulator's power of two folded in). The pairing (i, i+4) keeps both halves of a register 16 bits apart."""
+    high = Int32(word) >> 8  # codes 2, 3, 6, 7 at nibbles 0, 1, 4, 5 (the masks drop the sign-filled bits)
+    return [mul_bf16x2(e2m1_pair_bits(w, nibble), scale) for (w, nibble), scale in
+            zip(((word, 0), (word, 4), (high, 0), (high, 4)), scales)]
 
 
 def write_words(address: Int64, words: list, vector_op=st_global_v4, scalar_op=st_global_b32) -> None:
@@ -190,7 +204,7 @@ def write_words(address: Int64, words: list, vector_op=st_global_v4, scalar_op=s
 
 def e2m1x8_to_bf16x8(word: Int32, scale2: Int32) -> list:
     """8 e2m1 codes (element j in bits 4j..4j+3) -> 4 bf16x2 registers in natural order, each value * scale."""
-    p = e2m1x8_to_bf16x2(word, Int32(BF16X2_2P126))  # (x0 x4)(x1 x5)(x2 x6)(x3 x7), exact values
+    p = e2m1x8_to_bf16x2(word, [Int32(BF16X2_2P126)] * 4)  # (x0 x4)(x1 x5)(x2 x6)(x3 x7), exact values
     natural = [prmt(p[0], p[1], 0x5410), prmt(p[2], p[3], 0x5410), prmt(p[0], p[1], 0x7632), prmt(p[2], p[3], 0x7632)]
     return [mul_bf16x2(v, scale2) for v in natural]
 

@@ -333,38 +333,34 @@ class RawSlots(NamedTuple):
     scales: Int32
 
 
-def e2m1x8_per_pair(word: Int32, scales: list) -> list:
-    """ptx.e2m1x8_to_bf16x2 with pair i (codes i, i + 4) times its own bf16x2 scales[i]. The same bit pattern in
-    another instruction order: folding it into ptx.e2m1x8_to_bf16x2 changes the register allocation of the tested
-    wgmma objects (or, in that helper's order, of the streaming ones), so it waits for a device run to retest."""
-    out = []
-    for i in range(4):
-        mag = (word << (6 - 4 * i)) if i < 2 else (word >> (4 * i - 6))  # the mask drops sign-filled bits
-        sign = (word << (12 - 4 * i)) & Int32(-2147450880)  # 0x80008000
-        out.append(ptx.mul_bf16x2((mag & Int32(0x01C001C0)) | sign, scales[i]))
-    return out
-
-
 def decode_a_stage(cfg: WgmmaConfig, ring: RawRing, ring8: RawRing, pick: Int32, lut: Int32, a_words: cute.Tensor,
                    first: int, stage, kt):
     """Raw slot of K stage kt -> this thread's register A fragments of the stage's k16 blocks: a_words[first + 4 kb + j]
     is word j of block kb in PTX order (row, k..k+1), (row + 8, k..k+1), (row, k+8..k+9), (row + 8, k+8..k+9)
     with k = 16 kb + 2 (lane % 4), each value times its block scale and 2^-63 (ACCUMULATOR_SCALE). The thread reads
-    its two rows' 32 code bytes whole (the 4 lanes of a quad read the same addresses), `pick` (a prmt selector)
-    takes byte lane % 4 of a word of each row, and a scale is one load from the table at `lut`."""
+    its two rows' 32 code bytes whole (the 4 lanes of a quad read the same addresses); `pick` (a prmt selector)
+    puts byte lane % 4 of a row's words 2 kb and 2 kb + 1 (K k..k+1 and k+8..k+9) at bytes 0 and 2, so nibbles
+    (0, 4) are (k, k + 8) and nibbles (1, 5) are (k + 1, k + 9), the two pairs ptx.e2m1_pair_bits decodes; a
+    scale is one load from the table at `lut`."""
     rows = [[ptx.ld_shared_v4(r.codes_at(stage, h)) for h in range(2)] for r in (ring, ring8)]
     words = [[w for half in row for w in half] for row in rows]  # word j: K 8j..8j+7
     scales = [ptx.ld_shared_b32(r.scales_at(stage)) for r in (ring, ring8)]
-    first_byte = 0
-    if cutlass.const_expr(cfg.sf_block == 32):
-        first_byte = (kt % 2) * 2  # this stage's half of the 4-byte group
+
+    def scale_byte(word, block: int):  # the stage's block `block` of a row's 4-byte scale group, zero-extended
+        if cutlass.const_expr(cfg.sf_block == 32):  # two stages share a group: this stage's half
+            return ptx.prmt_r(word, Int32(0), Int32(0x4440 + block) + (kt % 2) * 2)
+        return ptx.prmt(word, Int32(0), 0x4440 | block)
+
+    # bf16x2 scale of each row for each of the stage's blocks (MXFP4: two k16 blocks share one)
+    block_scales = [[ptx.ld_shared_b32(lut + scale_byte(word, block) * 4) for word in scales]
+                    for block in range(cfg.bk // cfg.sf_block)]
     for kb in range(cfg.bk // 16):
-        lo = ptx.prmt_r(words[0][2 * kb], words[1][2 * kb], pick)
-        hi = ptx.prmt_r(words[0][2 * kb + 1], words[1][2 * kb + 1], pick)
-        block = first_byte + kb * 16 // cfg.sf_block
-        s_row, s_row8 = [ptx.ld_shared_b32(lut + ((word >> (8 * block)) & 0xFF) * 4) for word in scales]
-        # codes: (row k..k+1, row+8 k..k+1, row k+8..k+9, row+8 k+8..k+9); pairs (i, i + 4): rows, rows, +8, +8
-        pairs = e2m1x8_per_pair(ptx.prmt(lo, hi, 0x5410), [s_row, s_row, s_row8, s_row8])
+        row_scales = block_scales[kb * 16 // cfg.sf_block]
+        # pairs: (row k, k+8), (row k+1, k+9), (row+8 k, k+8), (row+8 k+1, k+9)
+        pairs = []
+        for row_words, scale in zip(words, row_scales):
+            codes = ptx.prmt_r(row_words[2 * kb], row_words[2 * kb + 1], pick)
+            pairs += [ptx.mul_bf16x2(ptx.e2m1_pair_bits(codes, nibble), scale) for nibble in (0, 4)]
         frag = [ptx.prmt(pairs[0], pairs[1], 0x5410), ptx.prmt(pairs[2], pairs[3], 0x5410),
                 ptx.prmt(pairs[0], pairs[1], 0x7632), ptx.prmt(pairs[2], pairs[3], 0x7632)]
         for j in range(4):
@@ -482,7 +478,7 @@ def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_s
     row = (ctid // 32) * 16 + lane // 4  # warp w of the two warpgroups: weight rows 16 w .. 16 w + 15 of a half
     rings = [(RawRing(cfg, raw_codes, raw_scales, row, h), RawRing(cfg, raw_codes, raw_scales, row + 8, h))
              for h in range(cfg.halves)]
-    pick = (lane % 4) | ((4 + lane % 4) << 4)  # prmt: byte lane % 4 of each of two words
+    pick = (lane % 4) * 0x1111 + 0x4400  # prmt: byte lane % 4 of two words to bytes 0-1 and 2-3
 
     stages = k_extent // cfg.bk
     for pair in cutlass.range(stages // 2, unroll=1):
