@@ -25,7 +25,8 @@ item's epilogue out of their own s_c.
 
 Against the shared-memory form it replaced (a decoder warpgroup storing decoded weights to shared memory for SS
 wgmmas): no decoded sB round trip, no proxy fence, and each stage moves about 57 KB of shared memory instead of
-89 KB. The decode issues from the consumer warps (174 SASS instructions per thread and stage), overlapping the
+89 KB. The decode issues from the consumer warps (155 SASS instructions per thread and stage of 128 weight rows;
+171 before the mask-multiply-mask e2m1 decode of session 16, which ran 1.01-1.07x faster), overlapping the
 previous stage's wgmmas. Measured at T = 4096 on five shapes (benchmarks/results/h200_session12_checks.md): GEMM1
 1.11-1.22x and GEMM2 1.15-1.21x faster than the shared-memory form; the same register-A form with the shared-memory
 form's decode (block scales decoded in registers, 253 SASS a stage) ran 0.96-1.05x: the consumers' decode
