@@ -6,7 +6,7 @@ offline CuTe-DSL env.sh first) and launched on the same inputs as the default co
 whether its outputs equal the default's bitwise: a variant that only reschedules must; one that changes the K-slice
 count changes the fp32 summation order. Probes (PROBES) replace parts of the mainloop (stream.py functions, or
 ptx.py ones when the name starts with "ptx.") to see where time goes; their outputs are wrong by design unless
-the probe only changes scheduling or how the same bits are computed (decode_mulhi).
+the probe only changes scheduling or how the same bits are computed.
 
 Timing: one CUDA graph holds `--rotations` launches, each on its own random routing (different experts, so the
 weights stream from DRAM, not L2); replays are timed with CUDA events, median over `--iters` replays, divided by
@@ -90,26 +90,6 @@ def _probe_issue_nothing(sm, lane, src, first, stage, steps, block, c):
         cute.arch.mbarrier_arrive(sm.full + stage % c.stages)
 
 
-def _e2m1x8_to_bf16x2_mulhi(word, scale2, *, loc=None, ip=None):
-    """ptx.e2m1x8_to_bf16x2 with its right shifts as mul.hi (IMAD.HI on the FMA pipe) instead of SHF (ALU pipe,
-    which the decode's LOP3s already fill): the same bits."""
-    from cutlass import Int32
-
-    from moe_ext.kernels.sm90 import ptx
-    w = Int32(word)
-    out = []
-    for i in range(4):
-        shift_mag = 6 - 4 * i
-        if shift_mag >= 0:
-            mag = w << shift_mag
-        else:
-            mag = Int32(ptx._asm(1, [w, Int32(1 << (32 + shift_mag))], "mul.hi.u32 $0, $1, $2;", "=r,r,r"))
-        mag = mag & Int32(0x01C001C0)
-        sign = (w << (12 - 4 * i)) & Int32(-2147450880)  # 0x80008000
-        out.append(ptx.mul_bf16x2(mag | sign, scale2))
-    return out
-
-
 def _probe_accumulate_nothing(sm, *args):
     """No mainloop at all: launch, prologue of the kernel and its epilogue on whatever shared memory holds."""
 
@@ -124,7 +104,6 @@ def _probe_store_nothing(sm, row, chunk, values, valid, tokens, c):
 
 
 PROBES = {
-    "decode_mulhi": {"ptx.e2m1x8_to_bf16x2": _e2m1x8_to_bf16x2_mulhi},
     "probe_empty": {"accumulate": _probe_accumulate_nothing},
     "probe_neither_no_stage": {"consume_tma_step": _probe_consume_loads_only, "issue_tma_stage": _probe_issue_nothing,
                                "token_group": _probe_token_group_zero, "store_chunk": _probe_store_nothing},
