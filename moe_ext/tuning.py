@@ -145,7 +145,7 @@ def profile(run: Callable[[Tactic], None], tactics: Sequence[Tactic], device: to
             repeats: int, use_cuda_graph: bool, budget_s: float = 2e-3, max_repeats: int = 25) -> dict:
     """Median seconds of one run of each of `tactics`; through CUDA-graph replay when asked, so launch cost does
     not decide between tactics at small T. The candidates are sampled in rounds (one run of each, in an order
-    that rotates), so a drift of the clocks (a power-capped H200 moves by 5-10% over a second of prefill) shifts
+    that rotates), so a drift of the clocks (a power-capped H200 spread one prefill point's forwards by 14%) shifts
     every candidate alike instead of deciding between them. At least `repeats` rounds, and more (up to
     `max_repeats`) while each candidate's samples add up to under `budget_s`: a decode forward of tens of
     microseconds gets a median that separates tactics a few percent apart, a prefill forward of milliseconds is
