@@ -183,13 +183,13 @@ def e2m1_pair_bits(word: Int32, nibble: int, *, loc=None, ip=None) -> Int32:
     return Int32(_asm(1, [Int32(word)], text, "=r,r"))
 
 
-def e2m1x8_to_bf16x2(word: Int32, scales: list) -> list:
+def e2m1x8_to_bf16x2(word: Int32, scale2: Int32) -> list:
     """Eight packed e2m1 codes (code j in bits 4j..4j+3) -> four bf16x2 registers, pair i = (code i, code i+4)
-    times the bf16x2 scales[i] (exact: one bf16 multiply by scale * 2^126, or by a table entry with the
+    times the bf16x2 `scale2` (exact: one bf16 multiply by scale * 2^126, or by a table entry with the
     accumulator's power of two folded in). The pairing (i, i+4) keeps both halves of a register 16 bits apart."""
     high = Int32(word) >> 8  # codes 2, 3, 6, 7 at nibbles 0, 1, 4, 5 (the masks drop the sign-filled bits)
-    return [mul_bf16x2(e2m1_pair_bits(w, nibble), scale) for (w, nibble), scale in
-            zip(((word, 0), (word, 4), (high, 0), (high, 4)), scales)]
+    return [mul_bf16x2(e2m1_pair_bits(w, nibble), scale2) for w, nibble in ((word, 0), (word, 4), (high, 0),
+                                                                           (high, 4))]
 
 
 def write_words(address: Int64, words: list, vector_op=st_global_v4, scalar_op=st_global_b32) -> None:
@@ -204,7 +204,7 @@ def write_words(address: Int64, words: list, vector_op=st_global_v4, scalar_op=s
 
 def e2m1x8_to_bf16x8(word: Int32, scale2: Int32) -> list:
     """8 e2m1 codes (element j in bits 4j..4j+3) -> 4 bf16x2 registers in natural order, each value * scale."""
-    p = e2m1x8_to_bf16x2(word, [Int32(BF16X2_2P126)] * 4)  # (x0 x4)(x1 x5)(x2 x6)(x3 x7), exact values
+    p = e2m1x8_to_bf16x2(word, Int32(BF16X2_2P126))  # (x0 x4)(x1 x5)(x2 x6)(x3 x7), exact values
     natural = [prmt(p[0], p[1], 0x5410), prmt(p[2], p[3], 0x5410), prmt(p[0], p[1], 0x7632), prmt(p[2], p[3], 0x7632)]
     return [mul_bf16x2(v, scale2) for v in natural]
 

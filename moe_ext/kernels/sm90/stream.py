@@ -222,8 +222,8 @@ def multiply_step(sm: Smem, tid, w0: list, w1: list, s0: list, s1: list, tile_of
     swap = (t >> 1) << 1  # the tile's 16-byte chunk swizzle (see tile_address)
     row_base = sm.tokens + (lane // 4) * sm.pitch + tile_offset
     for j in range(4):
-        a0 = ptx.e2m1x8_to_bf16x2(w0[j], [s0[j]] * 4)
-        a1 = ptx.e2m1x8_to_bf16x2(w1[j], [s1[j]] * 4)
+        a0 = ptx.e2m1x8_to_bf16x2(w0[j], s0[j])
+        a1 = ptx.e2m1x8_to_bf16x2(w1[j], s1[j])
         chunk = t * 4 + (Int32(j) ^ swap)
         for nt in range(tokens // 8):
             b = ptx.ld_shared_v4(row_base + nt * 8 * sm.pitch + chunk * 16)
@@ -241,8 +241,8 @@ def multiply_step_wgmma(sm: Smem, tid, w0: list, w1: list, s0: list, s1: list, t
     """multiply_step as one warpgroup wgmma per k16 for all the tokens. A warp's mma.sync A fragment is exactly its
     16-row slice of the warpgroup's m64 A operand, and the accumulator order per 8 tokens is the same, so the decode
     and the accumulator layout do not change; the token tile is read through descriptors (wgmma_tile_offset)."""
-    a0 = [ptx.e2m1x8_to_bf16x2(w0[j], [s0[j]] * 4) for j in range(4)]
-    a1 = [ptx.e2m1x8_to_bf16x2(w1[j], [s1[j]] * 4) for j in range(4)]
+    a0 = [ptx.e2m1x8_to_bf16x2(w0[j], s0[j]) for j in range(4)]
+    a1 = [ptx.e2m1x8_to_bf16x2(w1[j], s1[j]) for j in range(4)]
     # tile_offset = 2 x the step's K inside the chunk, and a step takes 256 * tokens bytes. The descriptor's K-half
     # and 8-token strides, and each virtual step's start (constants that stay inside the 14-bit address field:
     # shared memory < 256 KB), are read off wgmma_tile_offset at thread slot t = 0 (group j of the step).
@@ -317,7 +317,7 @@ def bf16x8_to_tile(u: list) -> list:
 def nvfp4x8_to_tile(word: Int32, scale: Float32) -> list:
     """8 packed e2m1 codes times their e4m3 block scale, times 2^63, in tile order."""
     s2 = ptx.pack_bf16x2(scale * Float32(TWO_P63), scale * Float32(TWO_P63))
-    return [ptx.mul_bf16x2(v, s2) for v in ptx.e2m1x8_to_bf16x2(word, [Int32(ptx.BF16X2_2P126)] * 4)]
+    return [ptx.mul_bf16x2(v, s2) for v in ptx.e2m1x8_to_bf16x2(word, Int32(ptx.BF16X2_2P126))]
 
 
 def mxfp8x8_to_tile(lo: Int32, hi: Int32, scale: Float32) -> list:
