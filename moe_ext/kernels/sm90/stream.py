@@ -11,9 +11,9 @@ the kernel is a weight stream, and all of it goes through one path:
   MMA      mma.sync m16n8k16 bf16 -> fp32 accumulators in registers
 
 The ring is fed by the copy engine: one TMA box per step and one bulk copy of the step's scale tiles, counted on
-the stage's mbarrier. There is no producer warp: the last warp done reading a stage refills it. Per-thread 16-byte
-cp.async copies (version 2) spent the LSU's issue slots on addresses and peaked near 2.3 TB/s; the copy engine
-moves 8 KB per instruction (benchmarks/results/h200_stream_variants.md, session 7).
+the stage's mbarrier. There is no producer warp: warp 0 refills a slot once every warp has released it.
+Per-thread 16-byte cp.async copies (version 2) spent the LSU's issue slots on addresses and peaked near 2.3 TB/s;
+the copy engine moves 8 KB per instruction (benchmarks/results/h200_stream_variants.md, session 7).
 
 K order inside the MMA is free as long as both operands agree. Thread t of a quad owns K [32t, 32t + 32) of each
 128-K step (one 16-byte load per row); a decoded register holds the codes (i, i + 4) of an 8-code word, and the
@@ -147,7 +147,7 @@ class Smem(NamedTuple):
     out: cute.Tensor  # fp32 [tokens, rows] accumulator tile, over the token tile (used after the mainloop)
     ring: cute.Tensor  # the weight slots as the TMA copies' destination, (1, rows, 64 bytes, slot)
     full: cute.Pointer  # one mbarrier per stage, complete when the stage's bytes have landed
-    released: Int32  # one counter per stage of the warps done reading it
+    empty: cute.Pointer  # one mbarrier per stage, complete when every warp is done reading it
 
 
 def allocate(tokens: int, c: StreamConfig) -> Smem:
@@ -161,7 +161,7 @@ def allocate(tokens: int, c: StreamConfig) -> Smem:
                                                               stride=(0, 64, 1, c.rows * 64)))
     full = cute.recast_ptr(bars.iterator, dtype=Int64)
     return Smem(c.threads, row_pitch(tokens, c), ring_w.iterator.toint(), ring_s.iterator.toint(),
-                lut.iterator.toint(), tile.iterator.toint(), out, ring, full, bars.iterator.toint() + 8 * c.stages)
+                lut.iterator.toint(), tile.iterator.toint(), out, ring, full, full + c.stages)
 
 
 def fill_scale_lut(sm: Smem, tid, block: int) -> None:
@@ -488,8 +488,9 @@ def tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exp
                  part, acc: cute.Tensor, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
                  load_group: cutlass.Constexpr):
     """Stages of k_slices 128-K steps (K slice `part` reads step `part` of each) arrive by TMA: one box per step
-    and one bulk copy of its scale tiles, counted on the stage's full barrier. No warp waits for a producer: the
-    last warp done reading a stage refills its slot (release_tma_stage)."""
+    and one bulk copy of its scale tiles, counted on the stage's full barrier. No warp waits for a producer: every
+    warp releases a stage it has read on the stage's empty barrier, and warp 0 refills the slot at its next stage
+    (refill_tma_stage)."""
     chunk = k_chunk(tokens, cfg)
     boxes = cute.local_tile(tma_w, (1, cfg.rows, 64), (expert, first_row // cfg.rows, None))
     slots, boxes = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sm.ring, 0, 3),
@@ -501,7 +502,7 @@ def tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exp
         cpasync.prefetch_descriptor(tma_atom)
         for s in cutlass.range_constexpr(cfg.stages):
             cute.arch.mbarrier_init(sm.full + s, 1)
-            ptx.st_shared_b32(sm.released + s * 4, Int32(0))
+            cute.arch.mbarrier_init(sm.empty + s, cfg.warps * cfg.k_slices)
         cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
     if tid < 32:
@@ -516,6 +517,9 @@ def tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exp
         assert (chunk // (cfg.k_slices * cfg.k_step)) % per_group == 0 and cfg.stages > per_group
         groups = steps // (cfg.k_slices * per_group)
         for g in cutlass.range(groups):
+            if tid < 32 and g > 0:
+                for u in cutlass.range_constexpr(per_group):
+                    refill_tma_stage(sm, tid, src, first, (g - 1) * per_group + u, num_stages, steps, block, cfg)
             k_run = g * per_group * cfg.k_slices * cfg.k_step
             if k_run % chunk == 0:
                 stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group)
@@ -526,14 +530,19 @@ def tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exp
                 consume_tma_stage(sm, tid, g * per_group + u, (k_run + u * cfg.k_slices * cfg.k_step) % chunk, part,
                                   steps, acc, tokens, block, cfg, wait=False, check=False)
             for u in cutlass.range_constexpr(per_group):
-                release_tma_stage(sm, tid, src, first, g * per_group + u, steps, block, cfg)
+                release_tma_stage(sm, tid, g * per_group + u, cfg)
         first_single = groups * per_group
+        if tid < 32 and groups > 0:  # the last group's stages but its last (the loop below refills that one)
+            for u in cutlass.range_constexpr(per_group - 1):
+                refill_tma_stage(sm, tid, src, first, first_single - per_group + u, num_stages, steps, block, cfg)
     for i in cutlass.range(first_single, num_stages):
+        if tid < 32 and i > 0:  # warp 0 refills the previous stage's slot once every warp has read it
+            refill_tma_stage(sm, tid, src, first, i - 1, num_stages, steps, block, cfg)
         k_run = i * cfg.k_slices * cfg.k_step
         if k_run % chunk == 0:
             stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group)
         consume_tma_stage(sm, tid, i, k_run % chunk, part, steps, acc, tokens, block, cfg)
-        release_tma_stage(sm, tid, src, first, i, steps, block, cfg)
+        release_tma_stage(sm, tid, i, cfg)
 
 
 @cute.jit
@@ -558,21 +567,23 @@ def consume_tma_stage(sm: Smem, tid, stage, chunk_offset, part, steps, acc: cute
 
 
 @cute.jit
-def release_tma_stage(sm: Smem, tid, src: TmaSource, first, stage, steps, block: cutlass.Constexpr,
-                      c: cutlass.Constexpr):
-    """This warp is done reading stage `stage`. The last of the CTA's warps to say so refills the slot with stage
-    `stage + stages` (the atomic's acquire-release orders every warp's reads of the slot before the refill; the
-    proxy fence orders them before the copy engine's writes)."""
+def release_tma_stage(sm: Smem, tid, stage, c: cutlass.Constexpr):
+    """This warp is done reading stage `stage`: lane 0 arrives on the slot's empty barrier (its release orders the
+    warp's reads, which sync_warp gathered, before the refill that waits on the barrier)."""
     cute.arch.sync_warp()
-    lane = tid % 32
-    slot = stage % c.stages
-    done = Int32(0)
-    if lane == 0:
-        done = ptx.atomic_add_shared_acq_rel(sm.released + slot * 4, Int32(1))
-    done = cute.arch.shuffle_sync(done, 0)
-    if done == c.warps * c.k_slices - 1:
-        if lane == 0:
-            ptx.st_shared_b32(sm.released + slot * 4, Int32(0))
-        if stage + c.stages < (steps + c.k_slices - 1) // c.k_slices:
-            ptx.fence_proxy_async_shared()
-            issue_tma_stage(sm, lane, src, first, stage + c.stages, steps, block, c)
+    if tid % 32 == 0:
+        cute.arch.mbarrier_arrive(sm.empty + stage % c.stages)
+
+
+@cute.jit
+def refill_tma_stage(sm: Smem, lane, src: TmaSource, first, stage, num_stages, steps, block: cutlass.Constexpr,
+                     c: cutlass.Constexpr):
+    """Warp 0 refills the slot of stage `stage` with stage `stage + stages`, if the run has it, once every warp has
+    released it. Warp 0 asks one stage after its own release, when the others have nearly always released too, so
+    the wait costs no more than the atomic counter it replaced (whose last warp refilled: an acquire-release atomic
+    and a warp-aggregation sequence in every warp's step); the proxy fence orders the warps' reads, acquired
+    through the barrier, before the copy engine's writes."""
+    if stage + c.stages < num_stages:
+        cute.arch.mbarrier_wait(sm.empty + stage % c.stages, (stage // c.stages) % 2)
+        ptx.fence_proxy_async_shared()
+        issue_tma_stage(sm, lane, src, first, stage + c.stages, steps, block, c)
