@@ -49,7 +49,7 @@ class HopperBackend:
     split): tokens per CTA of the streaming GEMMs (a tile the kernels were compiled for) and how many CTAs of a
     cluster share each GEMM tile's K steps; split launcher.WGMMA (0) runs that GEMM's warp-specialised wgmma kernel
     instead (128-token tile; in the quantized modes both GEMMs or neither), launcher.WGMMA_WIDE (-1) its 256-row
-    weight tiles."""
+    weight tiles, launcher.THREE_CTAS (-2) its streaming kernel's three-CTAs-an-SM form (8-token tiles)."""
 
     name: str = "sm90"
 
@@ -85,6 +85,12 @@ class HopperBackend:
         return launcher.has_wgmma(problem.kernel_mode, problem.activation.kind)
 
     @staticmethod
+    def _three_ctas(problem: MoEProblem) -> bool:
+        from . import launcher
+
+        return launcher.has_three_ctas(problem.kernel_mode, problem.activation.kind)
+
+    @staticmethod
     def _wide(problem: MoEProblem) -> tuple:
         """Which GEMMs may take 256-row weight tiles (launcher.WGMMA_WIDE): each launch's weight rows count."""
         from . import launcher
@@ -103,7 +109,7 @@ class HopperBackend:
         from . import launcher
 
         base = launcher.tactics(self._tiles(problem), self._wgmma(problem), problem.kernel_mode == "w4a16",
-                                self._wide(problem))
+                                self._wide(problem), self._three_ctas(problem))
         if self._both_widths(problem):
             return [t + (1,) for t in base] + [t + (0,) for t in base]
         return base
@@ -119,7 +125,8 @@ class HopperBackend:
         tactic = launcher.default_tactic(problem.num_tokens, problem.top_k, problem.num_experts,
                                          problem.num_local_experts, problem.n1 // parts,
                                          problem.hidden_size // parts, self._tiles(problem), sms,
-                                         self._wgmma(problem), problem.kernel_mode == "w4a16", self._wide(problem))
+                                         self._wgmma(problem), problem.kernel_mode == "w4a16", self._wide(problem),
+                                         self._three_ctas(problem))
         return tactic + (1,) if self._both_widths(problem) else tactic
 
     def run(self, problem: MoEProblem, tactic: Tactic, out: torch.Tensor,

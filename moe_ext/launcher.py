@@ -252,6 +252,10 @@ WIDE_TILE_MIN_ROWS = 512
 # one launch) must be a multiple of 256.
 WGMMA_WIDE = -1
 WIDE_WEIGHT_ROWS = 256
+# The "split" of a GEMM that selects its streaming kernel's three-CTAs-an-SM form, no K split (8-token tiles,
+# stream.config_for): it pays where a launch's CTAs fill three an SM, and loses where a few hundred run.
+THREE_CTAS = -2
+THREE_CTA_TILES = (8,)  # moe_ext/kernels/sm90/stream.py THREE_CTA_TILES
 # The wgmma GEMM2 each kernel mode runs: w4a4's decoded FC2 input and NVFP4 weights are w4a16's.
 _WGMMA_GEMM2_MODE = {"w4a4": "w4a16"}
 X_FORMAT = {"w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}
@@ -261,18 +265,18 @@ def is_wgmma(split: int) -> bool:
     return split in (WGMMA, WGMMA_WIDE)
 
 
-def _wgmma_suffix(split: int) -> str:
-    return {WGMMA: "_wgmma", WGMMA_WIDE: f"_wgmma_n{WIDE_WEIGHT_ROWS}"}.get(split, "")
+def _kernel_suffix(split: int) -> str:
+    return {WGMMA: "_wgmma", WGMMA_WIDE: f"_wgmma_n{WIDE_WEIGHT_ROWS}", THREE_CTAS: "_3cta"}.get(split, "")
 
 
 def gemm1_kernel(mode: str, kind: str, tile: int, split: int) -> str:
-    return f"moe_gemm1_{mode}_{kind}_t{tile}" + _wgmma_suffix(split)
+    return f"moe_gemm1_{mode}_{kind}_t{tile}" + _kernel_suffix(split)
 
 
 def gemm2_kernel(mode: str, tile: int, split: int) -> str:
     if is_wgmma(split):
-        return f"moe_gemm2_{_WGMMA_GEMM2_MODE.get(mode, mode)}_t{tile}" + _wgmma_suffix(split)
-    return f"moe_gemm2_{mode}_t{tile}"
+        return f"moe_gemm2_{_WGMMA_GEMM2_MODE.get(mode, mode)}_t{tile}" + _kernel_suffix(split)
+    return f"moe_gemm2_{mode}_t{tile}" + _kernel_suffix(split)
 
 
 def wide_weights(mode: str, kind: str, n1: int, hidden: int) -> tuple[bool, bool]:
@@ -281,6 +285,13 @@ def wide_weights(mode: str, kind: str, n1: int, hidden: int) -> tuple[bool, bool
     linked = has_wgmma(mode, kind)
     return (linked and n1 % WIDE_WEIGHT_ROWS == 0 and has_kernel(gemm1_kernel(mode, kind, WGMMA_TILE, WGMMA_WIDE)),
             linked and hidden % WIDE_WEIGHT_ROWS == 0 and has_kernel(gemm2_kernel(mode, WGMMA_TILE, WGMMA_WIDE)))
+
+
+@functools.lru_cache(maxsize=None)
+def has_three_ctas(mode: str, kind: str) -> bool:
+    """Whether both GEMMs' three-CTA streaming kernels (THREE_CTAS) are linked for this mode and activation."""
+    return all(has_kernel(gemm1_kernel(mode, kind, t, THREE_CTAS)) and has_kernel(gemm2_kernel(mode, t, THREE_CTAS))
+               for t in THREE_CTA_TILES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -295,12 +306,18 @@ def has_wgmma(mode: str, kind: str) -> bool:
             and has_kernel(gemm2_kernel(mode, WGMMA_TILE, WGMMA)) and all(has_kernel(n) for n in extra))
 
 
-def tactics(tiles: tuple, wgmma: bool = False, mixed: bool = True, wide: tuple = (False, False)) -> list[tuple]:
+def tactics(tiles: tuple, wgmma: bool = False, mixed: bool = True, wide: tuple = (False, False),
+            three_ctas: bool = False) -> list[tuple]:
     """Hopper tactics: (routing tile, GEMM1 K split or WGMMA, GEMM2 K split or WGMMA). mixed=False (the quantized
     modes): WGMMA only as (WGMMA_TILE, WGMMA, WGMMA). A tile outside TOKEN_TILES (WIDE_WGMMA_TILE) runs only as
     (tile, WGMMA, WGMMA). `wide` (wide_weights): the GEMMs that may take WGMMA_WIDE, on 128-token tiles with the
-    other GEMM on a wgmma kernel too."""
-    out = [(t, s1, s2) for t in tiles if t in TOKEN_TILES for s1 in K_SPLITS for s2 in K_SPLITS]
+    other GEMM on a wgmma kernel too. `three_ctas` (has_three_ctas): on THREE_CTA_TILES, either GEMM may take
+    THREE_CTAS in place of a K split."""
+
+    def forms(t: int) -> tuple:
+        return K_SPLITS + (THREE_CTAS,) if three_ctas and t in THREE_CTA_TILES else K_SPLITS
+
+    out = [(t, s1, s2) for t in tiles if t in TOKEN_TILES for s1 in forms(t) for s2 in forms(t)]
     if wgmma and WGMMA_TILE in tiles:
         if mixed:
             out += [(WGMMA_TILE, s1, s2) for s1 in K_SPLITS + (WGMMA,) for s2 in K_SPLITS + (WGMMA,)
@@ -318,7 +335,7 @@ def tactics(tiles: tuple, wgmma: bool = False, mixed: bool = True, wide: tuple =
 
 def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, n1: int, hidden: int,
                    tiles: tuple, num_sms: int, wgmma: bool = False, mixed: bool = True,
-                   wide: tuple = (False, False)) -> tuple:
+                   wide: tuple = (False, False), three_ctas: bool = False) -> tuple:
     """The heuristic for untuned shapes.
 
     Tile: up to 64, the smallest with room for twice an expert's average rows. Decode streams an expert's weights
@@ -337,6 +354,8 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     together, when neither would split K. Where both GEMMs run wgmma on 128-token tiles, each GEMM whose weight
     rows allow it (`wide`, wide_weights) takes 256-row weight tiles: at T = 4096 (128-256 rows per expert) 1.04-1.14x
     faster on GEMM1 and 1.03-1.13x on GEMM2 than 128-row ones (benchmarks/results/h200_session14_checks.md §2).
+    On a THREE_CTA_TILES tile (`three_ctas`), an unsplit GEMM whose expected CTAs fill three an SM takes THREE_CTAS:
+    GEMM1 1.06-1.21x and GEMM2 1.27-1.80x there; at 256 CTAs it was 0.76-0.96x (h200_session17_checks.md).
     """
     local_slots = num_tokens * top_k * num_local_experts / max(1, num_experts)
     per_expert = local_slots / max(1, num_local_experts)
@@ -354,6 +373,8 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
 
     def split(rows: int) -> int:
         ctas = max(1.0, live * rows / 128)
+        if three_ctas and tile in THREE_CTA_TILES and ctas >= 3 * num_sms:
+            return THREE_CTAS
         return max(s for s in K_SPLITS if s == 1 or ctas * s <= num_sms)
 
     splits = (split(n1), split(hidden))
@@ -459,6 +480,9 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
                          f"kernels, (WGMMA, WGMMA)")
     if WGMMA_WIDE in k_splits and routing.tile_size != WGMMA_TILE:
         raise ValueError(f"k_splits {k_splits}: WGMMA_WIDE runs on {WGMMA_TILE}-token routing tiles, not "
+                         f"{routing.tile_size}")
+    if THREE_CTAS in k_splits and routing.tile_size not in THREE_CTA_TILES:
+        raise ValueError(f"k_splits {k_splits}: THREE_CTAS runs on {THREE_CTA_TILES}-token routing tiles, not "
                          f"{routing.tile_size}")
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
     dummy = _dummies(device)

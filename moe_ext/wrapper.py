@@ -154,8 +154,8 @@ class CuteDslMoEWrapper:
 
     def get_valid_tactics(self) -> list[tuple]:
         """Tactics `run(..., tactic=)` accepts: on Hopper (routing tile, GEMM1 K split, GEMM2 K split; a split of
-        launcher.WGMMA runs that GEMM's wgmma kernel, launcher.WGMMA_WIDE its 256-row weight tiles), on the
-        reference path (routing tile,)."""
+        launcher.WGMMA runs that GEMM's wgmma kernel, launcher.WGMMA_WIDE its 256-row weight tiles,
+        launcher.THREE_CTAS its three-CTAs-an-SM streaming form), on the reference path (routing tile,)."""
         if not self.on_hopper:
             return [(t,) for t in self.routing_tiles]
         parts = 2 if self.localized else 1  # a localized shard holds half of each GEMM's weight rows
@@ -163,7 +163,8 @@ class CuteDslMoEWrapper:
         return launcher.tactics(self.routing_tiles, launcher.has_wgmma(self.quant_mode, self.activation.kind),
                                 mixed=self.quant_mode == "w4a16",
                                 wide=launcher.wide_weights(self.quant_mode, self.activation.kind, n1 // parts,
-                                                           self.hidden_size // parts))
+                                                           self.hidden_size // parts),
+                                three_ctas=launcher.has_three_ctas(self.quant_mode, self.activation.kind))
 
     def run(self, x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
             fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, tactic=None, *, per_token_scale=None):

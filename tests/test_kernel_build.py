@@ -80,6 +80,7 @@ def test_launcher_knows_the_compiled_token_tiles():
     from moe_ext.kernels.sm90 import wgmma_mainloop
 
     assert launcher.TOKEN_TILES == stream.TOKEN_TILES
+    assert launcher.THREE_CTA_TILES == stream.THREE_CTA_TILES
     assert (launcher.WGMMA_TILE, launcher.WIDE_WGMMA_TILE) == wgmma_mainloop.TILES
 
 
@@ -262,13 +263,19 @@ def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernel
 
 
 def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):
-    """The 16-token streaming GEMMs run three CTAs an SM (stream.config_for), which caps them at 80 registers a
-    thread: none of them may touch local memory (a spill would sit in every K step's decode)."""
+    """The 16-token streaming GEMMs run three CTAs an SM (stream.config_for), and so do the 8-token ones' `_3cta`
+    form, which caps them at 80 registers a thread: none of them may touch local memory (a spill would sit in every
+    K step's decode)."""
     from moe_ext.kernels.sm90 import stream
 
     assert stream.config_for(16, 1).ctas_per_sm == stream.config_for(16, 2).ctas_per_sm == 3
-    names = [n for n in (built_kernels / "kernels.txt").read_text().split() if n.endswith("_t16")]
-    assert len(names) == 19  # 15 GEMM1 (modes x activations) + 4 GEMM2
+    assert stream.config_for(8, 1, three_ctas=True).ctas_per_sm == stream.config_for(8, 2, True).ctas_per_sm == 3
+    assert stream.config_for(8, 2, True).k_slices == 1 and stream.config_for(8, 2).k_slices == 2
+    with pytest.raises(ValueError, match="three-CTA form"):
+        stream.config_for(32, 1, three_ctas=True)
+    listed = (built_kernels / "kernels.txt").read_text().split()
+    names = [n for n in listed if n.endswith("_t16") or n.endswith("_t8_3cta")]
+    assert len(names) == 2 * 19  # each: 15 GEMM1 (modes x activations) + 4 GEMM2
     for name in names:
         counts = kernel_sass.opcode_counts(kernel_sass.sass(str(built_kernels / f"{name}.o")))
         assert counts["LDL"] + counts["STL"] == 0, name

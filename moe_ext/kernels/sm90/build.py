@@ -45,6 +45,14 @@ def specialisations():
                                   functools.partial(gemm1.compile_gemm1, mode, kind, tokens)))
         specs += [(f"moe_gemm2_{mode}_t{tokens}", functools.partial(gemm2.compile_gemm2, mode, tokens))
                   for mode in gemm2.MODES]
+    # The three-CTAs-an-SM form of the 8-token streaming GEMMs (stream.config_for; launcher.THREE_CTAS).
+    for tokens in stream.THREE_CTA_TILES:
+        specs += [(f"moe_gemm1_{mode}_{kind}_t{tokens}_3cta",
+                   functools.partial(gemm1.compile_gemm1, mode, kind, tokens, three_ctas=True))
+                  for mode in gemm1.MODES for kind in activations.KINDS if not (mode == "w4a8" and kind == "situ")]
+        specs += [(f"moe_gemm2_{mode}_t{tokens}_3cta", functools.partial(gemm2.compile_gemm2, mode, tokens,
+                                                                         three_ctas=True))
+                  for mode in gemm2.MODES]
     # The warp-specialised wgmma GEMMs for large T (128- and 256-token routing tiles, 128- and 256-row weight
     # tiles, bf16 operands), the routing launches that also decode quantized activations for them, and the per-token
     # quantizer that writes decoded bf16.

@@ -127,8 +127,8 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
     return launch
 
 
-def compile_gemm1(mode: str, kind: str, tokens: int, options: str):
-    return compile_launch(make_kernel(mode, kind, tokens), options)
+def compile_gemm1(mode: str, kind: str, tokens: int, options: str, three_ctas: bool = False):
+    return compile_launch(make_kernel(mode, kind, tokens, streaming.config_for(tokens, 1, three_ctas)), options)
 
 
 def compile_launch(launch, options: str):

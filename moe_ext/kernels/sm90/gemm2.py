@@ -117,8 +117,8 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
     return launch
 
 
-def compile_gemm2(mode: str, tokens: int, options: str):
-    return compile_launch(make_kernel(mode, tokens), options)
+def compile_gemm2(mode: str, tokens: int, options: str, three_ctas: bool = False):
+    return compile_launch(make_kernel(mode, tokens, streaming.config_for(tokens, 2, three_ctas)), options)
 
 
 def compile_launch(launch, options: str):

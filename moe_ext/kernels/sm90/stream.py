@@ -73,7 +73,7 @@ class StreamConfig:
         return 32 * self.warps * self.k_slices
 
 
-def config_for(tokens: int, gemm: int) -> StreamConfig:
+def config_for(tokens: int, gemm: int, three_ctas: bool = False) -> StreamConfig:
     """The mainloop of GEMM `gemm` (1 or 2) on `tokens`-token tiles, as measured on the H200
     (benchmarks/results/h200_stream_variants.md).
 
@@ -86,7 +86,14 @@ def config_for(tokens: int, gemm: int) -> StreamConfig:
     On 16-token tiles three CTAs share an SM (6 warps a scheduler to hide the decode chains' latencies; 80
     registers a thread, no spills; 4 stages and a 32 KB token tile fit 228 KB): whole forwards 1.07-1.14x faster
     than with two at T = 64 and 256 on five shapes (session 15, h200_session15_checks.md). On 32-token tiles it was
-    0.89-1.06x (its K chunk halves again), on 8-token tiles 0.75-1.30x: they keep their forms."""
+    0.89-1.06x (its K chunk halves again). On 8-token tiles it depends on the launch: 1.06-1.8x where three CTAs
+    an SM fill the GPU (GEMM2 gains most: it drops the two K slices), 0.75-0.96x where a few hundred CTAs or fewer run
+    (session 17, h200_session17_checks.md), so 8-token tiles have both forms (`three_ctas`, THREE_CTA_TILES) and
+    the tactic picks one per GEMM (launcher.THREE_CTAS)."""
+    if three_ctas:
+        if tokens not in THREE_CTA_TILES:
+            raise ValueError(f"three_ctas: only {THREE_CTA_TILES}-token tiles have a three-CTA form, not {tokens}")
+        return StreamConfig(stages=4, ctas_per_sm=3, token_elems=16384)
     if tokens <= 8 and gemm == 2:
         return StreamConfig(k_slices=2)
     if tokens == 16:
@@ -121,6 +128,7 @@ def accumulator_size(tokens: int, c: StreamConfig) -> int:
 
 
 TOKEN_TILES = (8, 16, 32, 64, 128)  # the routing tiles the kernels are compiled for (tokens per CTA)
+THREE_CTA_TILES = (8,)  # tiles also compiled in a three-CTAs-an-SM form (config_for's three_ctas)
 
 BF16X2_2P63 = 0x5F005F00  # bf16 2^63 in both halves
 BF16X2_2P120 = 0x7B807B80
