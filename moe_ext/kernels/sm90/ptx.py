@@ -44,13 +44,6 @@ def cp_async_bulk(dst: Int32, src: Int64, nbytes: Int32, bar: Int32, *, loc=None
 
 
 @dsl_user_op
-def atomic_add_shared_acq_rel(addr: Int32, value: Int32, *, loc=None, ip=None) -> Int32:
-    """Old value of the shared counter at `addr`, incremented with acquire-release ordering (CTA scope)."""
-    return Int32(_asm(1, [Int32(addr), Int32(value)], "atom.acq_rel.cta.shared::cta.add.u32 $0, [$1], $2;",
-                      "=r,r,r,~{memory}", side_effects=True))
-
-
-@dsl_user_op
 def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
     """Order this thread's generic-proxy shared accesses before later async-proxy ones (bulk and TMA copies)."""
     _asm(0, [], "fence.proxy.async.shared::cta;", "~{memory}", side_effects=True)

@@ -106,7 +106,7 @@ def config_for(tokens: int, gemm: int, three_ctas: bool = False) -> StreamConfig
 def shared_pieces(tokens: int, c: StreamConfig) -> tuple[int, int, int, int, int]:
     """Bytes of what allocate() takes: the weight ring (a 128-row x 64-byte slot per K slice and stage), its
     scale slots (1 KB each), the scale table, the token tile (which the fp32 accumulator tile reuses after the
-    mainloop) and the ring's barriers (a full mbarrier and a release counter per stage)."""
+    mainloop) and the ring's barriers (a full and an empty mbarrier per stage)."""
     tile = max(tokens * row_pitch(tokens, c), tokens * (c.rows + 4) * 4)
     slots = c.stages * c.k_slices
     return slots * c.rows * 64, slots * 1024, 256 * 4, tile, c.stages * 16
