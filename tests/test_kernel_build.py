@@ -27,6 +27,9 @@ def test_every_shipped_kernel_compiles_for_sm90a(built_kernels):
         gemms += [f"moe_gemm1_{mode}_{kind}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
         gemms += [f"moe_gemm2_{mode}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")]
+    gemms += [f"moe_gemm1_{mode}_{kind}_t8_3cta" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
+              for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
+    gemms += [f"moe_gemm2_{mode}_t8_3cta" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")]
     for suffix in ("_t128_wgmma", "_t256_wgmma", "_t128_wgmma_n256"):
         gemms += [f"moe_gemm1_{mode}_{kind}{suffix}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
@@ -67,7 +70,7 @@ def test_installed_launcher_links_the_kernels():
     from moe_ext import _C
 
     linked = set(_C.kernels())
-    assert {"moe_routing", "moe_gemm1_w4a4_swiglu_t8", "moe_gemm2_w4a8_t64", "moe_gemm1_w4a16_relu2_t128_wgmma",
+    assert {"moe_routing", "moe_gemm1_w4a4_swiglu_t8", "moe_gemm2_w4a8_t64", "moe_gemm2_w4a16_t8_3cta", "moe_gemm1_w4a16_relu2_t128_wgmma",
             "moe_gemm2_w4a16_t128_wgmma", "moe_gemm1_w4a8_swiglu_t128_wgmma", "moe_gemm2_w4a4_pt_t128_wgmma",
             "moe_routing_decode_mxfp8", "moe_fc2_quant_per_token", "moe_fc2_quant_per_token_bf16",
             "moe_finalize"} <= linked
