@@ -243,6 +243,7 @@ K_SPLITS = (1, 2, 4)  # CTAs of a cluster that share one GEMM tile's K steps (cl
 # to bf16 for it and GEMM1 stores the FC2 input's quantization decoded, so both GEMMs take wgmma or neither does.
 WGMMA = 0
 WGMMA_TILE = 128
+WGMMA_MIN_ROWS = 32  # expected rows per local expert from which the default tactic takes the wgmma GEMMs
 # 256-row routing tiles run only the wgmma GEMMs (both): each decoded weight stage feeds two 128-token blocks, for
 # experts with 512+ rows on average (wgmma_mainloop.TOKEN_BLOCK).
 WIDE_WGMMA_TILE = 256
@@ -347,10 +348,11 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     K split: the CTAs one GEMM would launch (expected live tiles under uniform routing x N / 128) are doubled by
     splitting K across a cluster while they still fit one per SM, so a decode step with few experts hit still
     streams from every SM.
-    With the wgmma kernels linked, every shape whose experts average 16+ rows takes them on 128-token tiles (a
-    GEMM that would split K keeps the streaming kernel): at 16-64 rows per expert they beat the best streaming tile
-    by 1.16-1.61x despite the padding rows, and by 1.57-1.73x at T = 4096
-    (benchmarks/results/h200_session4_checks.md). In the quantized modes (mixed=False) the two GEMMs take wgmma
+    With the wgmma kernels linked, every shape whose experts average WGMMA_MIN_ROWS+ rows takes them on 128-token
+    tiles (a GEMM that would split K keeps the streaming kernel): session 4 measured them 1.16-1.61x faster than the
+    best streaming tile at 16-64 rows per expert (benchmarks/results/h200_session4_checks.md); since the streaming
+    kernels' three-CTA forms, the tuner keeps 16-token streaming tiles at 16 rows (Qwen3 T=256, Mixtral T=64:
+    Mixtral's wgmma default 589 µs against 474) and wgmma from 32 (h200.json, sessions 16-17). In the quantized modes (mixed=False) the two GEMMs take wgmma
     together, when neither would split K. Where both GEMMs run wgmma on 128-token tiles, each GEMM whose weight
     rows allow it (`wide`, wide_weights) takes 256-row weight tiles: at T = 4096 (128-256 rows per expert) 1.04-1.14x
     faster on GEMM1 and 1.03-1.13x on GEMM2 than 128-row ones (benchmarks/results/h200_session14_checks.md §2).
@@ -362,7 +364,7 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     streaming = [t for t in tiles if t in TOKEN_TILES]
     roomy = [t for t in streaming if t >= 2 * per_expert]
     tile = min(roomy) if roomy and min(roomy) <= 64 else max(t for t in streaming if t <= max(64, per_expert))
-    if wgmma and per_expert >= 16:
+    if wgmma and per_expert >= WGMMA_MIN_ROWS:
         tile = WGMMA_TILE
     if wgmma and WIDE_WGMMA_TILE in tiles and per_expert >= WIDE_TILE_MIN_ROWS:
         return (WIDE_WGMMA_TILE, WGMMA, WGMMA)

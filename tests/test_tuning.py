@@ -115,19 +115,22 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132, wgmma=True) == (128, W, W)
     assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, tiles, 132, wgmma=True) == (128, W, W)
     assert launcher.default_tactic(1, 8, 256, 32, 4096, 7168, tiles, 132, wgmma=True) == (8, 2, 1)
-    # ... and from 16 rows per expert on (measured faster than the streaming tiles there).
+    # ... and from 32 rows per expert on (WGMMA_MIN_ROWS); at 16 the streaming tiles (the tuner's pick on the H200).
+    assert launcher.WGMMA_MIN_ROWS == 32
     assert launcher.default_tactic(1024, 8, 256, 256, 4096, 7168, tiles, 132, wgmma=True) == (128, W, W)
-    assert launcher.default_tactic(512, 8, 256, 32, 4096, 7168, tiles, 132, wgmma=True) == (128, W, W)
+    assert launcher.default_tactic(1024, 8, 256, 32, 4096, 7168, tiles, 132, wgmma=True) == (128, W, W)
+    assert launcher.default_tactic(512, 8, 256, 32, 4096, 7168, tiles, 132, wgmma=True)[0] == 32
+    assert launcher.default_tactic(64, 2, 8, 8, 28672, 4096, tiles, 132, wgmma=True)[0] == 32  # Mixtral T=64
     assert launcher.default_tactic(256, 8, 256, 32, 4096, 7168, tiles, 132, wgmma=True)[0] == 16
     added = set(launcher.tactics(tiles, wgmma=True)) - set(launcher.tactics(tiles))
     assert added == {(128, a, b) for a in launcher.K_SPLITS + (W,) for b in launcher.K_SPLITS + (W,) if W in (a, b)}
     # The quantized modes take the wgmma GEMMs together, and only where neither would split K.
     assert set(launcher.tactics(tiles, wgmma=True, mixed=False)) - set(launcher.tactics(tiles)) == {(128, W, W)}
     assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132, True, mixed=False) == (128, W, W)
-    assert launcher.default_tactic(512, 8, 256, 32, 4096, 7168, tiles, 132, True, mixed=False) == (128, W, W)
-    # 8 experts x 16 rows: GEMM2's 8 x 8 CTAs split K; w4a16 runs GEMM1 on wgmma, the quantized modes neither.
-    assert launcher.default_tactic(128, 1, 8, 8, 2048, 1024, tiles, 132, True) == (128, W, 2)
-    assert launcher.default_tactic(128, 1, 8, 8, 2048, 1024, tiles, 132, True, mixed=False) == (128, 1, 2)
+    assert launcher.default_tactic(1024, 8, 256, 32, 4096, 7168, tiles, 132, True, mixed=False) == (128, W, W)
+    # 8 experts x 32 rows: GEMM2's 8 x 8 CTAs split K; w4a16 runs GEMM1 on wgmma, the quantized modes neither.
+    assert launcher.default_tactic(256, 1, 8, 8, 2048, 1024, tiles, 132, True) == (128, W, 2)
+    assert launcher.default_tactic(256, 1, 8, 8, 2048, 1024, tiles, 132, True, mixed=False) == (128, 1, 2)
     # The 256-token tile runs only the wgmma GEMMs, both, and is the default from 512 rows per expert on (Mixtral
     # at T=4096: 1024); 128 rows per expert (DeepSeek-V3 at T=4096) stay on 128.
     with_256 = tiles + (launcher.WIDE_WGMMA_TILE,)
@@ -152,7 +155,7 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     assert launcher.default_tactic(*dsv3, wide=(True, True)) == (128, WW, WW)
     assert launcher.default_tactic(*dsv3, mixed=False, wide=(True, False)) == (128, WW, W)
     # ... never where a GEMM splits K, on the 256-token tile, or in decode's streaming tiles
-    assert launcher.default_tactic(128, 1, 8, 8, 2048, 1024, tiles, 132, True, wide=(True, True)) == (128, W, 2)
+    assert launcher.default_tactic(256, 1, 8, 8, 2048, 1024, tiles, 132, True, wide=(True, True)) == (128, W, 2)
     assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, with_256, 132, True, wide=(True, True)) == (256, W, W)
     assert launcher.default_tactic(1, 8, 256, 32, 4096, 7168, tiles, 132, True, wide=(True, True)) == (8, 2, 1)
 
