@@ -352,10 +352,11 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     tiles (a GEMM that would split K keeps the streaming kernel): session 4 measured them 1.16-1.61x faster than the
     best streaming tile at 16-64 rows per expert (benchmarks/results/h200_session4_checks.md); since the streaming
     kernels' three-CTA forms, the tuner keeps 16-token streaming tiles at 16 rows (Qwen3 T=256, Mixtral T=64:
-    Mixtral's wgmma default 589 µs against 474) and wgmma from 32 (h200.json, sessions 16-17). In the quantized modes (mixed=False) the two GEMMs take wgmma
-    together, when neither would split K. Where both GEMMs run wgmma on 128-token tiles, each GEMM whose weight
-    rows allow it (`wide`, wide_weights) takes 256-row weight tiles: at T = 4096 (128-256 rows per expert) 1.04-1.14x
-    faster on GEMM1 and 1.03-1.13x on GEMM2 than 128-row ones (benchmarks/results/h200_session14_checks.md §2).
+    Mixtral's wgmma default 589 µs against 474) and wgmma from 32 (h200.json, sessions 16-17). In the quantized
+    modes (mixed=False) the two GEMMs take wgmma together, when neither would split K. Where both GEMMs run wgmma
+    on 128-token tiles, each GEMM whose weight rows allow it (`wide`, wide_weights) takes 256-row weight tiles: at
+    T = 4096 (128-256 rows per expert) 1.04-1.14x faster on GEMM1 and 1.03-1.13x on GEMM2 than 128-row ones
+    (benchmarks/results/h200_session14_checks.md §2).
     On a THREE_CTA_TILES tile (`three_ctas`), an unsplit GEMM whose expected CTAs fill three an SM takes THREE_CTAS:
     GEMM1 1.06-1.21x and GEMM2 1.27-1.80x there; at 256 CTAs it was 0.76-0.96x (h200_session17_checks.md).
     """
