@@ -79,24 +79,13 @@ class HopperBackend:
         return launcher.token_tiles(problem.kernel_mode, problem.activation.kind)
 
     @staticmethod
-    def _wgmma(problem: MoEProblem) -> bool:
-        from . import launcher
-
-        return launcher.has_wgmma(problem.kernel_mode, problem.activation.kind)
-
-    @staticmethod
-    def _three_ctas(problem: MoEProblem) -> bool:
-        from . import launcher
-
-        return launcher.has_three_ctas(problem.kernel_mode, problem.activation.kind)
-
-    @staticmethod
-    def _wide(problem: MoEProblem) -> tuple:
-        """Which GEMMs may take 256-row weight tiles (launcher.WGMMA_WIDE): each launch's weight rows count."""
+    def _forms(problem: MoEProblem) -> dict:
+        """launcher.kernel_forms for this problem: a localized shard's launches hold 1 / parts of the weight rows
+        (that decides where 256-row weight tiles fit)."""
         from . import launcher
 
         parts = 1 if problem.shards is None else len(problem.shards)
-        return launcher.wide_weights(problem.kernel_mode, problem.activation.kind, problem.n1 // parts,
+        return launcher.kernel_forms(problem.kernel_mode, problem.activation.kind, problem.n1 // parts,
                                      problem.hidden_size // parts)
 
     @staticmethod
@@ -108,8 +97,7 @@ class HopperBackend:
     def tactics(self, problem: MoEProblem) -> list[Tactic]:
         from . import launcher
 
-        base = launcher.tactics(self._tiles(problem), self._wgmma(problem), problem.kernel_mode == "w4a16",
-                                self._wide(problem), self._three_ctas(problem))
+        base = launcher.tactics(self._tiles(problem), **self._forms(problem))
         if self._both_widths(problem):
             return [t + (1,) for t in base] + [t + (0,) for t in base]
         return base
@@ -125,8 +113,7 @@ class HopperBackend:
         tactic = launcher.default_tactic(problem.num_tokens, problem.top_k, problem.num_experts,
                                          problem.num_local_experts, problem.n1 // parts,
                                          problem.hidden_size // parts, self._tiles(problem), sms,
-                                         self._wgmma(problem), problem.kernel_mode == "w4a16", self._wide(problem),
-                                         self._three_ctas(problem))
+                                         **self._forms(problem))
         return tactic + (1,) if self._both_widths(problem) else tactic
 
     def run(self, problem: MoEProblem, tactic: Tactic, out: torch.Tensor,

@@ -288,6 +288,13 @@ def wide_weights(mode: str, kind: str, n1: int, hidden: int) -> tuple[bool, bool
             linked and hidden % WIDE_WEIGHT_ROWS == 0 and has_kernel(gemm2_kernel(mode, WGMMA_TILE, WGMMA_WIDE)))
 
 
+def kernel_forms(mode: str, kind: str, n1: int, hidden: int) -> dict:
+    """What the linked kernels of this kernel mode and activation offer GEMMs of n1 (GEMM1) and hidden (GEMM2)
+    weight rows a launch: the keyword arguments of tactics() and default_tactic() beyond the tiles."""
+    return dict(wgmma=has_wgmma(mode, kind), mixed=mode == "w4a16", wide=wide_weights(mode, kind, n1, hidden),
+                three_ctas=has_three_ctas(mode, kind))
+
+
 @functools.lru_cache(maxsize=None)
 def has_three_ctas(mode: str, kind: str) -> bool:
     """Whether both GEMMs' three-CTA streaming kernels (THREE_CTAS) are linked for this mode and activation."""

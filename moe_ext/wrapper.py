@@ -160,11 +160,8 @@ class CuteDslMoEWrapper:
             return [(t,) for t in self.routing_tiles]
         parts = 2 if self.localized else 1  # a localized shard holds half of each GEMM's weight rows
         n1 = 2 * self.intermediate_size if self.activation.gated else self.intermediate_size
-        return launcher.tactics(self.routing_tiles, launcher.has_wgmma(self.quant_mode, self.activation.kind),
-                                mixed=self.quant_mode == "w4a16",
-                                wide=launcher.wide_weights(self.quant_mode, self.activation.kind, n1 // parts,
-                                                           self.hidden_size // parts),
-                                three_ctas=launcher.has_three_ctas(self.quant_mode, self.activation.kind))
+        return launcher.tactics(self.routing_tiles, **launcher.kernel_forms(
+            self.quant_mode, self.activation.kind, n1 // parts, self.hidden_size // parts))
 
     def run(self, x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
             fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, tactic=None, *, per_token_scale=None):

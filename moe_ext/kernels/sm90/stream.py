@@ -90,14 +90,15 @@ def config_for(tokens: int, gemm: int, three_ctas: bool = False) -> StreamConfig
     an SM fill the GPU (GEMM2 gains most: it drops the two K slices), 0.75-0.96x where a few hundred CTAs or fewer run
     (session 17, h200_session17_checks.md), so 8-token tiles have both forms (`three_ctas`, THREE_CTA_TILES) and
     the tactic picks one per GEMM (launcher.THREE_CTAS)."""
+    three = StreamConfig(stages=4, ctas_per_sm=3, token_elems=16384)
     if three_ctas:
         if tokens not in THREE_CTA_TILES:
             raise ValueError(f"three_ctas: only {THREE_CTA_TILES}-token tiles have a three-CTA form, not {tokens}")
-        return StreamConfig(stages=4, ctas_per_sm=3, token_elems=16384)
+        return three
     if tokens <= 8 and gemm == 2:
         return StreamConfig(k_slices=2)
     if tokens == 16:
-        return StreamConfig(stages=4, ctas_per_sm=3, token_elems=16384)
+        return three
     if tokens <= 64:
         return StreamConfig(stages=4, ctas_per_sm=2)
     return StreamConfig()
