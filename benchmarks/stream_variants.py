@@ -64,11 +64,12 @@ VARIANTS = {
     # (K-chunk 2048 at 8 tokens) keep three CTAs in 228 KB of shared memory.
     "three_ctas": {"ctas_per_sm": 3, "stages": 4, "token_elems": 16384, "k_slices": 1},
     "three_ctas_chunk1024": {"ctas_per_sm": 3, "stages": 4, "token_elems": 8192, "k_slices": 1},
+    "wide_only": {"narrow": False},  # no half-tile mainloop: every tile stages and multiplies all its tokens
 }
 
 
 # Probes: leave-one-out versions of the mainloop (their outputs are wrong by design; they bound where time goes).
-def _probe_consume_loads_only(sm, tid, slot, scales, tile_offset, acc, tokens, block, c):
+def _probe_consume_loads_only(sm, tid, slot, scales, tile_offset, acc, tokens, block, c, live=None):
     """Read the thread's fragments of the slot and fold them into one accumulator: the loads stay live, no decode,
     no MMA."""
     from cutlass import Float32, Int32

@@ -284,6 +284,22 @@ def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):
         assert counts["LDL"] + counts["STL"] == 0, name
 
 
+def test_half_tile_mainloop_only_where_it_can_skip_whole_mma_columns():
+    """The half-tile copy of the mainloop (StreamConfig.narrow) exists for mma.sync tiles of 16+ tokens: half an
+    8-token tile is not a whole m16n8k16 column, and the wgmma variant's N is the whole tile."""
+    import dataclasses
+
+    from moe_ext.kernels.sm90 import stream
+
+    assert [t for t in stream.TOKEN_TILES if stream.narrows(t, stream.config_for(t, 1))] == [16, 32, 64, 128]
+    assert not stream.narrows(8, stream.config_for(8, 2, three_ctas=True))
+    assert not stream.narrows(32, dataclasses.replace(stream.config_for(32, 1), mma="wgmma"))
+    assert not stream.narrows(32, dataclasses.replace(stream.config_for(32, 1), narrow=False))
+    for t in (16, 32, 64, 128):  # the half tile's staging still splits evenly over the threads
+        c = stream.config_for(t, 1)
+        assert stream.chunk_tasks(t, c, t // 2) * c.threads * 8 == t // 2 * stream.k_chunk(t, c)
+
+
 @pytest.mark.parametrize("nibble", [0, 4])
 def test_e2m1_pair_decode_bits_are_the_values_times_2_pow_minus_126(nibble):
     """The kernels' e2m1 decode (ptx.e2m1_pair_bits: mask, multiply, mask), replayed on the CPU with its own

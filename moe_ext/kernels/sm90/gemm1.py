@@ -67,7 +67,7 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
                 return values, valid
 
             streaming.accumulate(sm, tid, w1_sf, w1_tma_atom, w1_tma, expert, n_tile * cfg.rows, n1, hidden, rank,
-                                 k_split, tokens, cfg, b_block, load_group)
+                                 k_split, limit - row0, tokens, cfg, b_block, load_group)
             s_c = sm.out
 
             # Epilogue: thread -> (token row, half of the CTA's output columns); 2 * tokens threads.

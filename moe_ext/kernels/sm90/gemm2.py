@@ -78,7 +78,7 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
                 return values, valid
 
             streaming.accumulate(sm, tid, w2_sf, w2_tma_atom, w2_tma, expert, n_tile * cfg.rows, hidden, inter, rank,
-                                 k_split, tokens, cfg, b_block, load_group)
+                                 k_split, limit - row0, tokens, cfg, b_block, load_group)
             s_c = sm.out
 
             # Epilogue: thread -> (token row, cols_per_thread consecutive output columns).

@@ -63,6 +63,9 @@ class StreamConfig:
     # wgmmas left in flight under the next step (not run yet: whether ptxas keeps their A registers intact while
     # the next step decodes is what its rel_l2_to_default will show).
     mma: str = "sync"
+    # A tile whose live rows fit half of it (16+ tokens, "sync") runs a second copy of the mainloop that stages and
+    # multiplies only that half (`live` tokens): experts with few rows pay for fewer padding columns.
+    narrow: bool = True
 
     @property
     def rows(self) -> int:
@@ -116,6 +119,11 @@ def shared_pieces(tokens: int, c: StreamConfig) -> tuple[int, int, int, int, int
 def shared_bytes(tokens: int, c: StreamConfig) -> int:
     """Dynamic shared memory of one CTA."""
     return sum(shared_pieces(tokens, c))
+
+
+def narrows(tokens: int, c: StreamConfig) -> bool:
+    """Whether the mainloop has the half-tile copy (StreamConfig.narrow)."""
+    return c.narrow and c.mma == "sync" and tokens >= 16
 
 
 def chains(tokens: int, c: StreamConfig) -> int:
@@ -203,11 +211,12 @@ def _scale_pairs(sm: Smem, group: Int32, tid, block: int) -> list:
 
 
 def consume_tma_step(sm: Smem, tid, slot, scales, tile_offset, acc: cute.Tensor, tokens: int, block: int,
-                     c: StreamConfig):
+                     c: StreamConfig, live: int | None = None):
     """acc += this thread's share of the 128-K step in weight slot `slot` (128 rows x 64 bytes, rows dense) with
     its scale tiles at shared address `scales`; its tokens start at byte `tile_offset` of the token tile rows (the
-    step's position inside the staged K-chunk). At the 64-byte row pitch a quarter-warp's eight 16-byte loads
-    (rows r and r + 1, chunks t = 0..3) cover 128 consecutive bytes: no bank conflict."""
+    step's position inside the staged K-chunk); the MMAs cover its first `live` tokens (default all). At the
+    64-byte row pitch a quarter-warp's eight 16-byte loads (rows r and r + 1, chunks t = 0..3) cover 128
+    consecutive bytes: no bank conflict."""
     lane = tid % 32
     r = ((tid // 32) % c.warps) * 16 + lane // 4
     t = lane % 4
@@ -217,15 +226,18 @@ def consume_tma_step(sm: Smem, tid, slot, scales, tile_offset, acc: cute.Tensor,
     def group(row):
         return ptx.ld_shared_b32(tiles + (row % 32) * 16 + (row // 32) * 4)
 
-    multiply = multiply_step if c.mma == "sync" else multiply_step_wgmma
-    multiply(sm, tid, ptx.ld_shared_v4(rows + r * 64), ptx.ld_shared_v4(rows + (r + 8) * 64),
-             _scale_pairs(sm, group(r), tid, block), _scale_pairs(sm, group(r + 8), tid, block), tile_offset, acc,
-             tokens, c)
+    operands = (ptx.ld_shared_v4(rows + r * 64), ptx.ld_shared_v4(rows + (r + 8) * 64),
+                _scale_pairs(sm, group(r), tid, block), _scale_pairs(sm, group(r + 8), tid, block), tile_offset, acc)
+    if c.mma == "sync":
+        multiply_step(sm, tid, *operands, tokens, c, live or tokens)
+    else:
+        multiply_step_wgmma(sm, tid, *operands, tokens, c)
 
 
 def multiply_step(sm: Smem, tid, w0: list, w1: list, s0: list, s1: list, tile_offset, acc: cute.Tensor,
-                  tokens: int, c: StreamConfig):
-    """Decode this thread's 16 bytes of rows r and r + 8 (with their bf16x2 scales) and multiply them into acc."""
+                  tokens: int, c: StreamConfig, live: int):
+    """Decode this thread's 16 bytes of rows r and r + 8 (with their bf16x2 scales) and multiply them into acc
+    with the first `live` tokens of the tile."""
     lane = tid % 32
     t = lane % 4
     swap = (t >> 1) << 1  # the tile's 16-byte chunk swizzle (see tile_address)
@@ -234,7 +246,7 @@ def multiply_step(sm: Smem, tid, w0: list, w1: list, s0: list, s1: list, tile_of
         a0 = ptx.e2m1x8_to_bf16x2(w0[j], s0[j])
         a1 = ptx.e2m1x8_to_bf16x2(w1[j], s1[j])
         chunk = t * 4 + (Int32(j) ^ swap)
-        for nt in range(tokens // 8):
+        for nt in range(live // 8):
             b = ptx.ld_shared_v4(row_base + nt * 8 * sm.pitch + chunk * 16)
             for h in range(2):
                 base = ((2 * j + h) % chains(tokens, c) * (tokens // 8) + nt) * 4
@@ -397,14 +409,14 @@ def k_range(steps, rank, k_split):
     return first, cute.math.min(per_rank, steps - first)
 
 
-def chunk_tasks(tokens: int, c: StreamConfig) -> int:
-    """8-value chunks each thread stages per K-chunk."""
-    return tokens * k_chunk(tokens, c) // 8 // c.threads
+def chunk_tasks(tokens: int, c: StreamConfig, live_tokens: int | None = None) -> int:
+    """8-value chunks each thread stages per K-chunk (of the first `live_tokens` rows, default all)."""
+    return (live_tokens or tokens) * k_chunk(tokens, c) // 8 // c.threads
 
 
 @cute.jit
 def accumulate(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, rank, k_split,
-               tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
+               live_rows, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
                load_group: cutlass.Constexpr):
     """The mainloop of one CTA over weight rows [first_row, first_row + cfg.rows) of `expert` in a 4-bit weight
     (scales `w_sf`; `tma_atom` and `tma_w` from weight_tma): leaves its accumulator
@@ -413,7 +425,8 @@ def accumulate(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exper
     kernel's gather and decode of its activations).
 
     The k_split CTAs of a cluster take contiguous runs of K steps; inside a CTA, K slice `part` takes every
-    k_slices-th step of the run: its j-th step is first + j * k_slices + part.
+    k_slices-th step of the run: its j-th step is first + j * k_slices + part. `live_rows`: the tile's token rows
+    that are not padding; where they fit half the tile, the half-tile mainloop runs (narrows).
     """
     fill_scale_lut(sm, tid, block)  # read after the first staging barrier below
     acc = cute.make_rmem_tensor((accumulator_size(tokens, cfg),), Float32)
@@ -421,8 +434,16 @@ def accumulate(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exper
     first, steps = k_range(k_extent // cfg.k_step, rank, k_split)
     k_end = (first + steps) * cfg.k_step
     part = tid // (cfg.threads // cfg.k_slices)
-    tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
-                 part, acc, tokens, cfg, block, load_group)
+    if cutlass.const_expr(narrows(tokens, cfg)):
+        if live_rows <= tokens // 2:
+            tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, first, steps,
+                         k_end, part, acc, tokens, cfg, block, load_group, tokens // 2)
+        else:
+            tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, first, steps,
+                         k_end, part, acc, tokens, cfg, block, load_group, tokens)
+    else:
+        tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, first, steps,
+                     k_end, part, acc, tokens, cfg, block, load_group, tokens)
     if cutlass.const_expr(cfg.mma == "wgmma_async"):
         ptx.wgmma_wait(0)
     cute.arch.sync_threads()
@@ -442,14 +463,14 @@ def accumulate(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exper
 
 @cute.jit
 def stage_tokens(sm, tid, first, k_run, k_end, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr,
-                 load_group: cutlass.Constexpr):
-    """Stage the K-chunk at k_run (inside the run starting at step `first`) of the token rows, decoded to bf16,
-    in the tile order, between two CTA barriers."""
+                 load_group: cutlass.Constexpr, live: cutlass.Constexpr):
+    """Stage the K-chunk at k_run (inside the run starting at step `first`) of the first `live` token rows,
+    decoded to bf16, in the tile order, between two CTA barriers."""
     chunk = k_chunk(tokens, cfg)
     if cutlass.const_expr(cfg.mma == "wgmma_async"):
         ptx.wgmma_wait(0)  # the last steps' wgmmas still read the tile this staging overwrites
     cute.arch.sync_threads()
-    for m in cutlass.range_constexpr(chunk_tasks(tokens, cfg)):
+    for m in cutlass.range_constexpr(chunk_tasks(tokens, cfg, live)):
         task = tid + m * cfg.threads
         r = task // (chunk // 8)
         c = task % (chunk // 8)
@@ -495,7 +516,7 @@ def issue_tma_stage(sm: Smem, lane, src: TmaSource, first, stage, steps, block: 
 @cute.jit
 def tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
                  part, acc: cute.Tensor, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
-                 load_group: cutlass.Constexpr):
+                 load_group: cutlass.Constexpr, live: cutlass.Constexpr):
     """Stages of k_slices 128-K steps (K slice `part` reads step `part` of each) arrive by TMA: one box per step
     and one bulk copy of its scale tiles, counted on the stage's full barrier. No warp waits for a producer: every
     warp releases a stage it has read on the stage's empty barrier, and warp 0 refills the slot at its next stage
@@ -531,13 +552,13 @@ def tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exp
                     refill_tma_stage(sm, tid, src, first, (g - 1) * per_group + u, num_stages, steps, block, cfg)
             k_run = g * per_group * cfg.k_slices * cfg.k_step
             if k_run % chunk == 0:
-                stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group)
+                stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group, live)
             for u in cutlass.range_constexpr(per_group):
                 i = g * per_group + u
                 cute.arch.mbarrier_wait(sm.full + i % cfg.stages, (i // cfg.stages) % 2)
             for u in cutlass.range_constexpr(per_group):
                 consume_tma_stage(sm, tid, g * per_group + u, (k_run + u * cfg.k_slices * cfg.k_step) % chunk, part,
-                                  steps, acc, tokens, block, cfg, wait=False, check=False)
+                                  steps, acc, tokens, block, cfg, live, wait=False, check=False)
             for u in cutlass.range_constexpr(per_group):
                 release_tma_stage(sm, tid, g * per_group + u, cfg)
         first_single = groups * per_group
@@ -549,18 +570,18 @@ def tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exp
             refill_tma_stage(sm, tid, src, first, i - 1, num_stages, steps, block, cfg)
         k_run = i * cfg.k_slices * cfg.k_step
         if k_run % chunk == 0:
-            stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group)
-        consume_tma_stage(sm, tid, i, k_run % chunk, part, steps, acc, tokens, block, cfg)
+            stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group, live)
+        consume_tma_stage(sm, tid, i, k_run % chunk, part, steps, acc, tokens, block, cfg, live)
         release_tma_stage(sm, tid, i, cfg)
 
 
 @cute.jit
 def consume_tma_stage(sm: Smem, tid, stage, chunk_offset, part, steps, acc: cute.Tensor, tokens: cutlass.Constexpr,
-                      block: cutlass.Constexpr, c: cutlass.Constexpr, wait: cutlass.Constexpr = True,
-                      check: cutlass.Constexpr = True):
+                      block: cutlass.Constexpr, c: cutlass.Constexpr, live: cutlass.Constexpr,
+                      wait: cutlass.Constexpr = True, check: cutlass.Constexpr = True):
     """Wait for stage `stage` (unless the caller did) and consume this K slice's step of it, if the run has that
     step (`check`: only a run's last stage can lack one); `chunk_offset`: the stage's K offset inside the staged
-    token chunk."""
+    token chunk; the MMAs cover the first `live` tokens."""
     slot = stage % c.stages
     if cutlass.const_expr(wait):
         cute.arch.mbarrier_wait(sm.full + slot, (stage // c.stages) % 2)
@@ -568,11 +589,11 @@ def consume_tma_stage(sm: Smem, tid, stage, chunk_offset, part, steps, acc: cute
         if stage * c.k_slices + part < steps:
             consume_tma_step(sm, tid, slot * c.k_slices + part,
                              sm.scales + slot * (c.k_slices * 1024) + part * sf_step_bytes(block),
-                             (chunk_offset + part * c.k_step) * 2, acc, tokens, block, c)
+                             (chunk_offset + part * c.k_step) * 2, acc, tokens, block, c, live)
     else:
         consume_tma_step(sm, tid, slot * c.k_slices + part,
                          sm.scales + slot * (c.k_slices * 1024) + part * sf_step_bytes(block),
-                         (chunk_offset + part * c.k_step) * 2, acc, tokens, block, c)
+                         (chunk_offset + part * c.k_step) * 2, acc, tokens, block, c, live)
 
 
 @cute.jit
