@@ -300,6 +300,23 @@ def test_half_tile_mainloop_only_where_it_can_skip_whole_mma_columns():
         assert stream.chunk_tasks(t, c, t // 2) * c.threads * 8 == t // 2 * stream.k_chunk(t, c)
 
 
+@pytest.mark.parametrize("divisor", range(1, 17))
+def test_division_by_magic_is_exact_over_its_range(divisor):
+    """ptx.division_magic / divide_by_magic (GEMM1's token = expanded // top_k), replayed in u32 arithmetic: exact
+    for every n < 2^32 / divisor, checked at both ends of the range, around every multiple of the divisor near them,
+    and at random points."""
+    import random
+
+    magic = (0xFFFFFFFF // divisor + 1) & 0xFFFFFFFF
+    top = (1 << 32) // divisor - 1 if divisor > 1 else (1 << 32) - 1
+    rng = random.Random(divisor)
+    ns = list(range(0, 4 * divisor)) + list(range(top - 4 * divisor, top + 1)) + [rng.randrange(top) for _ in
+                                                                                  range(20000)]
+    for n in ns:
+        q = n if magic == 0 else (n * magic) >> 32
+        assert q == n // divisor, (n, divisor)
+
+
 @pytest.mark.parametrize("nibble", [0, 4])
 def test_e2m1_pair_decode_bits_are_the_values_times_2_pow_minus_126(nibble):
     """The kernels' e2m1 decode (ptx.e2m1_pair_bits: mask, multiply, mask), replayed on the CPU with its own

@@ -22,7 +22,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
-from . import activations, quantize
+from . import activations, ptx, quantize
 from . import stream as streaming
 from .fp4 import swizzled_sf_offset
 
@@ -55,11 +55,12 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
             limit = tile_to_mn_limit[tile]
             row0 = tile * tokens
             sm = streaming.allocate(tokens, cfg)
+            by_top_k = ptx.division_magic(top_k)  # the staging divides once per row and K-chunk
 
             def load_group(r, kk, k_end):
                 """8 values of token row r at K = kk, gathered through the permutation and decoded."""
                 valid = (row0 + r < limit) & (kk < k_end)
-                token = permuted_to_expanded[cute.math.min(row0 + r, limit - 1)] // top_k
+                token = ptx.divide_by_magic(permuted_to_expanded[cute.math.min(row0 + r, limit - 1)], by_top_k)
                 kk = cute.math.min(kk, hidden - 8)
                 values = streaming.token_group(
                     a_format, x_bf16, x_q, Int64(token) * Int64(hidden) + Int64(kk),

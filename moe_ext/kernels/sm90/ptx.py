@@ -135,6 +135,23 @@ def prmt_r(a: Int32, b: Int32, selector: Int32, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def division_magic(divisor: Int32, *, loc=None, ip=None) -> Int32:
+    """ceil(2^32 / divisor) as a u32 for divide_by_magic, divisor >= 1 (it wraps to 0 for divisor 1)."""
+    return Int32(_asm(1, [Int32(divisor)], "{ .reg .u32 t; div.u32 t, 0xFFFFFFFF, $1; add.u32 $0, t, 1; }",
+                      "=r,r"))
+
+
+@dsl_user_op
+def divide_by_magic(n: Int32, magic: Int32, *, loc=None, ip=None) -> Int32:
+    """floor(n / divisor) for 0 <= n < 2^32 / divisor, `magic` = division_magic(divisor): the high word of n * magic
+    (exact there: n * (magic * divisor - 2^32) < 2^32), or n itself where magic is 0 (divisor 1). Two instructions
+    where a division by a runtime value takes about twenty."""
+    return Int32(_asm(1, [Int32(n), Int32(magic)],
+                      "{ .reg .u32 q; .reg .pred one; mul.hi.u32 q, $1, $2; setp.eq.u32 one, $2, 0; "
+                      "selp.u32 $0, $1, q, one; }", "=r,r,r"))
+
+
+@dsl_user_op
 def mul_bf16x2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(_asm(1, [Int32(a), Int32(b)], "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r"))
 
