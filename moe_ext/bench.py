@@ -145,6 +145,16 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
+def tactic_choice(text: str) -> str | tuple[int, ...]:
+    """--tactic: "tuned", "default" or a tactic as comma-separated integers (e.g. 16,1,2)."""
+    if text in ("tuned", "default"):
+        return text
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected tuned, default or comma-separated integers, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m moe_ext.bench", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -165,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="skip a point whose weights (all rotated copies) exceed this many GB")
     parser.add_argument("--min-rotations", type=int, default=4, help="input sets (graphs) rotated at least")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tactic", type=tactic_choice, default="tuned",
+                        help="moe_ext's tactic: tuned (autotune on the first call), default (the heuristic's, no "
+                             "tuning: for A/B runs of two kernel builds) or one given as integers, e.g. 16,1,2")
     parser.add_argument("--host-overhead", action="store_true",
                         help="instead of the sweep: host time of an eager wrapper.run at T=1 and the kernel nodes "
                              "of a captured forward, per shape, mode and finalize")
@@ -631,16 +644,17 @@ def timed(run: Run, point: Point, forwards: list[Callable[[], torch.Tensor]], st
 
 
 def measure_moe_ext(run: Run, point: Point, pairs: list[tuple], stats: RoutingStats, copies: int) -> dict:
-    """CuteDslMoEWrapper with use_cuda_graph and max_num_tokens=T, run once eagerly under autotune and then
-    captured per input set: the capture recipe of the README."""
+    """CuteDslMoEWrapper with use_cuda_graph and max_num_tokens=T, run once eagerly (under autotune with --tactic
+    tuned) and then captured per input set: the capture recipe of the README."""
     shape = point.shape
     wrapper = moe_ext.CuteDslMoEWrapper(
         shape.num_experts, shape.top_k, point.hidden, point.inter, use_cuda_graph=True,
         max_num_tokens=point.num_tokens, num_local_experts=shape.num_local, local_expert_offset=shape.local_offset,
         device=run.device, use_fused_finalize=FINALIZE[point.finalize], quant_mode=point.quant_mode,
         **shape.wrapper_kwargs())
-    forwards = [lambda i=i, w=w: wrapper.run(**i, **w) for i, w in pairs]
-    with moe_ext.autotune(True):
+    given = run.args.tactic if isinstance(run.args.tactic, tuple) else None
+    forwards = [lambda i=i, w=w: wrapper.run(**i, **w, tactic=given) for i, w in pairs]
+    with moe_ext.autotune(run.args.tactic == "tuned"):
         forwards[0]()
     return timed(run, point, forwards, stats, weight_copies=copies, tactic=list(wrapper.last_tactic))
 

@@ -9,6 +9,8 @@
 #              500 s each; $GRID_ARGS (e.g. "--tokens 515") narrows every shard
 #   ab_wgmma:  install, profile (each tactic of $AB_TACTICS at $AB_POINTS, default as prefill) and check
 #              (wgmma-heavy kernel tests) each directory of $AB_DIRS, then reinstall $MOE_EXT_KERNEL_DIR (unless alone)
+#   ab_bench:  whole forwards (graph replays, w4a16, fused) of each directory of $AB_DIRS at $AB_SHAPES x $AB_TOKENS
+#              with $AB_BENCH_TACTIC (default: the heuristic's, untuned), in interleaved rounds ($AB_ROUNDS)
 #   ab_tactics: per-kernel profile of each tactic of $AB_TACTICS ("default" or "tile,split1,split2") at $AB_POINTS
 #   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels)
 #   prefill:   per-kernel profile of the default tactic at T=4096 on five shapes (the wgmma GEMMs)
@@ -46,8 +48,8 @@ export MOE_EXT_KERNEL_DIR=${MOE_EXT_KERNEL_DIR:-$PWD/.kernels}
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } > "$LOG/env.txt" 2>&1
 : > "$OUT/summary.txt"
-# ab_wgmma installs each of its directories itself; alone, it needs no install of the default one first.
-if [ "$PARTS" != ab_wgmma ]; then
+# ab_wgmma and ab_bench install each of their directories themselves; alone, no install of the default one first.
+if [ "$PARTS" != ab_wgmma ] && [ "$PARTS" != ab_bench ]; then
   MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install.log" 2>&1
   echo "install rc=$?" | tee -a "$OUT/summary.txt"
 fi
@@ -140,6 +142,20 @@ elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, 
       tests/test_hopper_kernels.py -k "large_token_count or (shapes_and and 7168 and w4a16) or part_filled"
   done
   [ "$PARTS" = ab_wgmma ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
+elif [ "$PART" = ab_bench ]; then  # what per-kernel sums miss: gaps between kernels, overlap under PDL
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    for d in ${AB_DIRS:-.kernels}; do
+      MOE_EXT_KERNEL_DIR=$PWD/$d MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_${d#.}.log" 2>&1
+      name="ab_bench_${d#.}_$round"
+      step "$name" 200 python3 -m moe_ext.bench --shapes "${AB_SHAPES:-qwen3-30b-a3b,deepseek-v3-ep8}" \
+        --tokens "${AB_TOKENS:-1,8,64}" --modes w4a16 --finalize fused --impls moe_ext \
+        --tactic "${AB_BENCH_TACTIC:-default}" --iters 50 --max-seconds-per-point 1.0 --out "$OUT/$name.json"
+      python3 -c "import json, sys; print(sys.argv[2] + ':', ' '.join(f\"{r['shape']}:{r['T']} {r['us']:.1f}\"
+        for r in json.load(open(sys.argv[1])) if 'us' in r))" "$OUT/$name.json" "$d round $round" \
+        >> "$OUT/summary.txt"
+    done
+  done
+  [ "$PARTS" = ab_bench ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
 elif [ "$PART" = ab_tactics ]; then  # AB_TACTICS: tactics ("default": the heuristic's), profiled at $AB_POINTS
   profile_tactics prefill_tactic_ ""
 elif [ "$PART" = sweep ]; then  # issue 4's sweep, w4a16 fused, all three impls (carry .offline/triton_kernels_v3.6)

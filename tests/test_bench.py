@@ -281,6 +281,33 @@ def test_sweep_without_kernels_skips_moe_ext_with_the_reason(eager_sweep, monkey
     assert all("not the sm_90a kernels" in r["skipped"] for r in run.records)
 
 
+@pytest.mark.parametrize("tactic", ["tuned", "default", "128"])
+def test_sweep_tunes_only_when_asked(eager_sweep, monkeypatch, tactic):
+    """--tactic tuned times the autotuner's pick; default the heuristic's, untuned; a given tactic runs as given."""
+    tuning = []
+    real_autotune = bench.moe_ext.autotune
+
+    def recording_autotune(tune_mode=True, **kwargs):
+        tuning.append(tune_mode)
+        return real_autotune(tune_mode, **kwargs)
+
+    monkeypatch.setattr(bench.moe_ext, "autotune", recording_autotune)
+    run = eager_sweep("--tokens", "2", "--modes", "w4a16", "--finalize", "fused", "--impls", "moe_ext",
+                      "--tactic", tactic)
+    bench.run_shape(run, bench.Shape("tiny", 128, 128, 4, 2, 4))
+    (record,) = run.records
+    assert tuning == [tactic == "tuned"] and record["us"] == 8.0
+    assert record["tactic"] == [128]  # the reference path's only tactic, whichever way it was chosen
+
+
+def test_sweep_runs_a_given_tactic_as_given(eager_sweep):
+    run = eager_sweep("--tokens", "2", "--modes", "w4a16", "--finalize", "fused", "--impls", "moe_ext",
+                      "--tactic", "8")
+    bench.run_shape(run, bench.Shape("tiny", 128, 128, 4, 2, 4))
+    (record,) = run.records
+    assert "tactic (8,) is not valid" in record["error"]  # passed through, not replaced by the heuristic's
+
+
 def test_sweep_skips_points_over_the_weight_limit(eager_sweep):
     run = eager_sweep("--tokens", "1", "--modes", "w4a16", "--finalize", "fused", "--max-weight-gb", "0.00001",
                       "--impls", "moe_ext,torch_grouped_mm_bf16")
@@ -295,6 +322,9 @@ def test_cli_defaults_and_selection():
     assert args.shapes == list(bench.SHAPES) and args.tokens == [1, 8, 64, 256, 1024, 4096, 16384]
     assert args.modes == ["w4a16", "w4a4", "w4a8"] and args.finalize == ["fused", "deterministic"]
     assert args.impls == list(bench.IMPLS) and args.out == bench.DEFAULT_OUT and not args.host_overhead
+    assert args.tactic == "tuned"
+    assert bench.parse_args(["--tactic", "default"]).tactic == "default"
+    assert bench.parse_args(["--tactic", "16,1,-2"]).tactic == (16, 1, -2)
     args = bench.parse_args(["--shapes", "mixtral-8x7b,qwen3-30b-a3b", "--tokens", "1,64", "--modes", "w4a4",
                              "--finalize", "deterministic", "--impls", "moe_ext,torch_grouped_mm_bf16",
                              "--max-weight-gb", "12.5", "--iters", "20", "--warmup", "3", "--plot", "r.png"])
@@ -306,7 +336,7 @@ def test_cli_defaults_and_selection():
 
 @pytest.mark.parametrize("bad", [["--shapes", "llama"], ["--modes", "w8a8"], ["--tokens", "0"],
                                  ["--tokens", "a,b"], ["--impls", "cublas"], ["--finalize", "atomic"],
-                                 ["--iters", "0"]])
+                                 ["--iters", "0"], ["--tactic", "fastest"]])
 def test_cli_rejects_bad_values(bad, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(bad)
