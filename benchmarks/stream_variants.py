@@ -69,7 +69,7 @@ VARIANTS = {
 
 
 # Probes: leave-one-out versions of the mainloop (their outputs are wrong by design; they bound where time goes).
-def _probe_consume_loads_only(sm, tid, slot, scales, tile_offset, acc, tokens, block, c, live=None):
+def _probe_consume_loads_only(sm, tid, slot, scales, tile_offset, acc, tokens, block, c, live):
     """Read the thread's fragments of the slot and fold them into one accumulator: the loads stay live, no decode,
     no MMA."""
     from cutlass import Float32, Int32

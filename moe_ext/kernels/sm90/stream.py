@@ -211,10 +211,10 @@ def _scale_pairs(sm: Smem, group: Int32, tid, block: int) -> list:
 
 
 def consume_tma_step(sm: Smem, tid, slot, scales, tile_offset, acc: cute.Tensor, tokens: int, block: int,
-                     c: StreamConfig, live: int | None = None):
+                     c: StreamConfig, live: int):
     """acc += this thread's share of the 128-K step in weight slot `slot` (128 rows x 64 bytes, rows dense) with
     its scale tiles at shared address `scales`; its tokens start at byte `tile_offset` of the token tile rows (the
-    step's position inside the staged K-chunk); the MMAs cover its first `live` tokens (default all). At the
+    step's position inside the staged K-chunk); the MMAs cover its first `live` tokens. At the
     64-byte row pitch a quarter-warp's eight 16-byte loads (rows r and r + 1, chunks t = 0..3) cover 128
     consecutive bytes: no bank conflict."""
     lane = tid % 32
@@ -229,7 +229,7 @@ def consume_tma_step(sm: Smem, tid, slot, scales, tile_offset, acc: cute.Tensor,
     operands = (ptx.ld_shared_v4(rows + r * 64), ptx.ld_shared_v4(rows + (r + 8) * 64),
                 _scale_pairs(sm, group(r), tid, block), _scale_pairs(sm, group(r + 8), tid, block), tile_offset, acc)
     if c.mma == "sync":
-        multiply_step(sm, tid, *operands, tokens, c, live or tokens)
+        multiply_step(sm, tid, *operands, tokens, c, live)
     else:
         multiply_step_wgmma(sm, tid, *operands, tokens, c)
 
@@ -409,9 +409,9 @@ def k_range(steps, rank, k_split):
     return first, cute.math.min(per_rank, steps - first)
 
 
-def chunk_tasks(tokens: int, c: StreamConfig, live_tokens: int | None = None) -> int:
-    """8-value chunks each thread stages per K-chunk (of the first `live_tokens` rows, default all)."""
-    return (live_tokens or tokens) * k_chunk(tokens, c) // 8 // c.threads
+def chunk_tasks(tokens: int, c: StreamConfig, live: int) -> int:
+    """8-value chunks each thread stages per K-chunk of the first `live` token rows."""
+    return live * k_chunk(tokens, c) // 8 // c.threads
 
 
 @cute.jit
@@ -434,16 +434,15 @@ def accumulate(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exper
     first, steps = k_range(k_extent // cfg.k_step, rank, k_split)
     k_end = (first + steps) * cfg.k_step
     part = tid // (cfg.threads // cfg.k_slices)
+    loop_args = (sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
+                 part, acc, tokens, cfg, block, load_group)
     if cutlass.const_expr(narrows(tokens, cfg)):
         if live_rows <= tokens // 2:
-            tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, first, steps,
-                         k_end, part, acc, tokens, cfg, block, load_group, tokens // 2)
+            tma_mainloop(*loop_args, tokens // 2)
         else:
-            tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, first, steps,
-                         k_end, part, acc, tokens, cfg, block, load_group, tokens)
+            tma_mainloop(*loop_args, tokens)
     else:
-        tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, first, steps,
-                     k_end, part, acc, tokens, cfg, block, load_group, tokens)
+        tma_mainloop(*loop_args, tokens)
     if cutlass.const_expr(cfg.mma == "wgmma_async"):
         ptx.wgmma_wait(0)
     cute.arch.sync_threads()
