@@ -64,7 +64,7 @@ VARIANTS = {
     # (K-chunk 2048 at 8 tokens) keep three CTAs in 228 KB of shared memory.
     "three_ctas": {"ctas_per_sm": 3, "stages": 4, "token_elems": 16384, "k_slices": 1},
     "three_ctas_chunk1024": {"ctas_per_sm": 3, "stages": 4, "token_elems": 8192, "k_slices": 1},
-    "wide_only": {"narrow": False},  # no half-tile mainloop: every tile stages and multiplies all its tokens
+    "wide_only": {"narrow": False},  # one mainloop width: every tile stages and multiplies all its tokens
 }
 
 

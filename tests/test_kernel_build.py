@@ -284,20 +284,25 @@ def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):
         assert counts["LDL"] + counts["STL"] == 0, name
 
 
-def test_half_tile_mainloop_only_where_it_can_skip_whole_mma_columns():
-    """The half-tile copy of the mainloop (StreamConfig.narrow) exists for mma.sync tiles of 16+ tokens: half an
-    8-token tile is not a whole m16n8k16 column, and the wgmma variant's N is the whole tile."""
+def test_narrow_mainloop_widths_skip_whole_mma_columns():
+    """The narrower copies of the mainloop (StreamConfig.narrow) exist for mma.sync tiles of 16+ tokens, each a
+    whole number of m16n8k16 columns whose staging splits evenly over the threads; an 8-token tile is one column,
+    and the wgmma variant's N is the whole tile."""
     import dataclasses
 
     from moe_ext.kernels.sm90 import stream
 
-    assert [t for t in stream.TOKEN_TILES if stream.narrows(t, stream.config_for(t, 1))] == [16, 32, 64, 128]
-    assert not stream.narrows(8, stream.config_for(8, 2, three_ctas=True))
-    assert not stream.narrows(32, dataclasses.replace(stream.config_for(32, 1), mma="wgmma"))
-    assert not stream.narrows(32, dataclasses.replace(stream.config_for(32, 1), narrow=False))
-    for t in (16, 32, 64, 128):  # the half tile's staging still splits evenly over the threads
-        c = stream.config_for(t, 1)
-        assert stream.chunk_tasks(t, c, t // 2) * c.threads * 8 == t // 2 * stream.k_chunk(t, c)
+    widths = {t: stream.mainloop_widths(t, stream.config_for(t, 1)) for t in stream.TOKEN_TILES}
+    assert widths == {8: (8,), 16: (8, 16), 32: (8, 16, 24, 32), 64: (16, 32, 48, 64), 128: (64, 128)}
+    assert stream.mainloop_widths(8, stream.config_for(8, 2, three_ctas=True)) == (8,)
+    assert stream.mainloop_widths(32, dataclasses.replace(stream.config_for(32, 1), mma="wgmma")) == (32,)
+    assert stream.mainloop_widths(32, dataclasses.replace(stream.config_for(32, 1), narrow=False)) == (32,)
+    for t, ws in widths.items():
+        for gemm in (1, 2):
+            c = stream.config_for(t, gemm)
+            for w in ws:
+                assert w % 8 == 0 and w % ws[0] == 0
+                assert stream.chunk_tasks(t, c, w) * c.threads * 8 == w * stream.k_chunk(t, c)
 
 
 @pytest.mark.parametrize("divisor", range(1, 17))

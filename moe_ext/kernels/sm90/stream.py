@@ -63,8 +63,9 @@ class StreamConfig:
     # wgmmas left in flight under the next step (not run yet: whether ptxas keeps their A registers intact while
     # the next step decodes is what its rel_l2_to_default will show).
     mma: str = "sync"
-    # A tile whose live rows fit half of it (16+ tokens, "sync") runs a second copy of the mainloop that stages and
-    # multiplies only that half (`live` tokens): experts with few rows pay for fewer padding columns.
+    # A tile of 16+ tokens ("sync") has narrower copies of the mainloop that stage and multiply only its first
+    # `live` tokens (mainloop_widths): a CTA runs the narrowest that holds its live rows, so experts with few rows
+    # pay for fewer padding columns.
     narrow: bool = True
 
     @property
@@ -121,9 +122,16 @@ def shared_bytes(tokens: int, c: StreamConfig) -> int:
     return sum(shared_pieces(tokens, c))
 
 
-def narrows(tokens: int, c: StreamConfig) -> bool:
-    """Whether the mainloop has the half-tile copy (StreamConfig.narrow)."""
-    return c.narrow and c.mma == "sync" and tokens >= 16
+def mainloop_widths(tokens: int, c: StreamConfig) -> tuple[int, ...]:
+    """The token widths the mainloop is compiled for, each a multiple of the first (StreamConfig.narrow). A
+    padding column costs about what a live one does (the m16n8k16 MMAs, their B loads and the staging), so 32-
+    and 64-token tiles come in quarters: at ~16 rows an expert (Mixtral T=64) the rows land on 16 or 24 columns
+    of a 32-token tile where halves paid 32 for any expert past 16. A 16-token tile halves (an 8-token width is
+    one MMA column); 128-token tiles halve too (four copies of their 16-column loop would double the code)."""
+    if not (c.narrow and c.mma == "sync" and tokens >= 16):
+        return (tokens,)
+    parts = 4 if tokens in (32, 64) else 2
+    return tuple(tokens // parts * (i + 1) for i in range(parts))
 
 
 def chains(tokens: int, c: StreamConfig) -> int:
@@ -426,7 +434,7 @@ def accumulate(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exper
 
     The k_split CTAs of a cluster take contiguous runs of K steps; inside a CTA, K slice `part` takes every
     k_slices-th step of the run: its j-th step is first + j * k_slices + part. `live_rows`: the tile's token rows
-    that are not padding; where they fit half the tile, the half-tile mainloop runs (narrows).
+    that are not padding; the narrowest mainloop width that holds them runs (mainloop_widths).
     """
     fill_scale_lut(sm, tid, block)  # read after the first staging barrier below
     acc = cute.make_rmem_tensor((accumulator_size(tokens, cfg),), Float32)
@@ -434,15 +442,32 @@ def accumulate(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exper
     first, steps = k_range(k_extent // cfg.k_step, rank, k_split)
     k_end = (first + steps) * cfg.k_step
     part = tid // (cfg.threads // cfg.k_slices)
+    widths = mainloop_widths(tokens, cfg)
+
     loop_args = (sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
                  part, acc, tokens, cfg, block, load_group)
-    if cutlass.const_expr(narrows(tokens, cfg)):
-        if live_rows <= tokens // 2:
-            tma_mainloop(*loop_args, tokens // 2)
+
+    # The narrowest width that holds the live rows, as a tree of comparisons on the CTA-uniform row count (an
+    # expert's rows past this tile take the full width). The same four widths chosen by equality on a computed
+    # index ran 1.33x slower than halves on the H200 (session 18), its loops full of R2UR moves the halves' lacked.
+    if cutlass.const_expr(len(widths) == 1):
+        tma_mainloop(*loop_args, widths[0])
+    elif cutlass.const_expr(len(widths) == 2):
+        if live_rows <= widths[0]:
+            tma_mainloop(*loop_args, widths[0])
         else:
-            tma_mainloop(*loop_args, tokens)
+            tma_mainloop(*loop_args, widths[1])
     else:
-        tma_mainloop(*loop_args, tokens)
+        if live_rows <= widths[1]:
+            if live_rows <= widths[0]:
+                tma_mainloop(*loop_args, widths[0])
+            else:
+                tma_mainloop(*loop_args, widths[1])
+        else:
+            if live_rows <= widths[2]:
+                tma_mainloop(*loop_args, widths[2])
+            else:
+                tma_mainloop(*loop_args, widths[3])
     if cutlass.const_expr(cfg.mma == "wgmma_async"):
         ptx.wgmma_wait(0)
     cute.arch.sync_threads()
