@@ -442,32 +442,11 @@ def accumulate(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exper
     first, steps = k_range(k_extent // cfg.k_step, rank, k_split)
     k_end = (first + steps) * cfg.k_step
     part = tid // (cfg.threads // cfg.k_slices)
-    widths = mainloop_widths(tokens, cfg)
 
     loop_args = (sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
                  part, acc, tokens, cfg, block, load_group)
 
-    # The narrowest width that holds the live rows, as a tree of comparisons on the CTA-uniform row count (an
-    # expert's rows past this tile take the full width). The same four widths chosen by equality on a computed
-    # index ran 1.33x slower than halves on the H200 (session 18), its loops full of R2UR moves the halves' lacked.
-    if cutlass.const_expr(len(widths) == 1):
-        tma_mainloop(*loop_args, widths[0])
-    elif cutlass.const_expr(len(widths) == 2):
-        if live_rows <= widths[0]:
-            tma_mainloop(*loop_args, widths[0])
-        else:
-            tma_mainloop(*loop_args, widths[1])
-    else:
-        if live_rows <= widths[1]:
-            if live_rows <= widths[0]:
-                tma_mainloop(*loop_args, widths[0])
-            else:
-                tma_mainloop(*loop_args, widths[1])
-        else:
-            if live_rows <= widths[2]:
-                tma_mainloop(*loop_args, widths[2])
-            else:
-                tma_mainloop(*loop_args, widths[3])
+    narrowest_mainloop(loop_args, live_rows, mainloop_widths(tokens, cfg))
     if cutlass.const_expr(cfg.mma == "wgmma_async"):
         ptx.wgmma_wait(0)
     cute.arch.sync_threads()
@@ -483,6 +462,22 @@ def accumulate(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exper
             add_peer_accumulators(sm, tid, peer, tokens, cfg)
     cute.arch.cluster_arrive()
     cute.arch.cluster_wait()
+
+
+@cute.jit
+def narrowest_mainloop(loop_args: tuple, live_rows, widths: cutlass.Constexpr):
+    """tma_mainloop at the narrowest of `widths` that holds the live rows, through a tree of comparisons on the
+    CTA-uniform row count (an expert's rows past this tile take the full width). The same four widths chosen by
+    equality on a computed index ran 1.33x slower than halves on the H200 (session 18), its loops full of R2UR
+    moves the halves' lacked."""
+    if cutlass.const_expr(len(widths) == 1):
+        tma_mainloop(*loop_args, widths[0])
+    else:
+        half = len(widths) // 2
+        if live_rows <= widths[half - 1]:
+            narrowest_mainloop(loop_args, live_rows, widths[:half])
+        else:
+            narrowest_mainloop(loop_args, live_rows, widths[half:])
 
 
 @cute.jit
