@@ -177,6 +177,7 @@ elif [ "$PART" = ncu_source ]; then  # full ncu set + per-SASS stall samples of 
       --points "$pt" --ncu
     ncu -i "$rep.ncu-rep" --page details > "$rep.details.txt" 2>&1
     ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.sass.csv" 2>&1
+    python3 benchmarks/ncu_stalls.py "$rep.sass.csv" --opcodes --regions > "$rep.stalls.txt" 2>&1
     rm -f "$rep.ncu-rep"
     pack
   done

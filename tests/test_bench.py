@@ -444,20 +444,49 @@ def test_gpu_state_without_nvidia_smi_is_empty(monkeypatch):
     assert bench.gpu_state(torch.device("cpu")) == {}
 
 
+def load_benchmark(name: str):
+    """A benchmarks/ script as a module (the folder is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_kernel_profile_takes_each_kernels_median_forward():
     """benchmarks/profile_kernels.py splits each kernel's launches into the forwards they came from (in start
     order) and reports the median forward, so one slow forward does not move an A/B; a kernel launched twice a
     forward (two localized shards) counts both launches."""
-    import importlib.util
-    import os
-
-    spec = importlib.util.spec_from_file_location(
-        "profile_kernels", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks",
-                                        "profile_kernels.py"))
-    profile_kernels = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile_kernels)
+    profile_kernels = load_benchmark("profile_kernels")
     events = [("gemm1", 10 * r, us) for r, us in enumerate([5.0, 5.0, 50.0])]  # forward 2 is slow
     events += [("gemm2", 10 * r + 1 + s, us) for r in range(3) for s, us in enumerate([2.0, 3.0])]
     medians, totals = profile_kernels.per_forward_medians(events[::-1], reps=3)  # any order in
     assert medians == {"gemm1": 5.0, "gemm2": 5.0}
     assert totals == [10.0, 10.0, 55.0]
+
+
+def test_ncu_stall_summary_groups_by_opcode_and_by_execution_count(tmp_path, capsys):
+    """benchmarks/ncu_stalls.py on a per-SASS export (gzipped here): opcodes lose their predicate and modifiers,
+    and code that runs equally often (per K step, per token chunk) is summed as one region."""
+    import gzip
+
+    ncu_stalls = load_benchmark("ncu_stalls")
+    assert ncu_stalls.opcode("@!P2 IMAD.HI.U32 R21, R21, R108, RZ") == "IMAD"
+    assert ncu_stalls.opcode("HMMA.16816.F32.BF16 R36, R48, R20, R44") == "HMMA"
+    header = ["Address", "Source", "Instructions Executed", "stall_wait", "stall_barrier", "stall_wait (Not Issued)"]
+    lines = [("0x0", "LOP3.LUT R1, R2, 0xf, RZ, 0xc0, !PT", 600, 6, 0, 9),  # per step
+             ("0x10", "@P0 HMMA.16816.F32.BF16 R4, R8, R12, R4", 300, 3, 0, 9),
+             ("0x20", "BAR.SYNC.DEFER_BLOCKING 0x0", 100, 0, 0, 9),  # per chunk
+             ("0x30", "ULDC UR8, c[0x0][0x3a0]", 100, 0, 11, 9)]
+    path = tmp_path / "k.sass.csv.gz"
+    with gzip.open(path, "wt") as f:
+        f.write('"Kernel Name","k"\n' + ",".join(f'"{h}"' for h in header) + "\n")
+        f.writelines(",".join(f'"{v}"' for v in line) + "\n" for line in lines)
+    assert ncu_stalls.main([str(path), "--top", "1", "--opcodes", "--regions"]) == 0
+    out = capsys.readouterr().out
+    assert "4 instructions, 20 stall samples" in out  # Not Issued columns are a subset, not added
+    assert "ULDC UR8" in out.split("top 1")[1].splitlines()[1]  # the barrier's wait lands after it
+    shares = {tuple(line.split()) for line in out.splitlines() if line.startswith("  ") and "%" in line}
+    assert ("LOP3", "54.5%", "30.0%") in shares and ("HMMA", "27.3%", "15.0%") in shares
+    assert ("100", "18.2%", "55.0%") in shares and ("600", "54.5%", "30.0%") in shares
