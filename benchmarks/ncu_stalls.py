@@ -32,20 +32,20 @@ def main(argv=None) -> int:
     reasons = [h for h in header if h.startswith("stall_") and "(Not Issued)" not in h]
     col = {h: i for i, h in enumerate(header)}
     number = lambda row, h: float(row[col[h]] or 0)  # noqa: E731
+    stalled = lambda row: sum(number(row, r) for r in reasons)  # noqa: E731
     totals = collections.Counter({r: sum(number(row, r) for row in rows) for r in reasons})
     samples = sum(totals.values())
     print(f"{len(rows)} instructions, {samples:.0f} stall samples")
     for reason, n in totals.most_common(12):
         print(f"  {reason:24s} {n / samples:6.1%}")
     print(f"top {args.top} instructions by samples:")
-    ranked = sorted(rows, key=lambda row: -sum(number(row, r) for r in reasons))
+    ranked = sorted(rows, key=lambda row: -stalled(row))
     for row in ranked[:args.top]:
         mine = collections.Counter({r: number(row, r) for r in reasons})
         total = sum(mine.values())
         main_reasons = ", ".join(f"{r[6:]} {n / total:.0%}" for r, n in mine.most_common(3) if n)
         print(f"  {total / samples:5.1%}  {row[col['Source']].strip()[:60]:60s} {main_reasons}")
     executed = lambda row: int(row[col["Instructions Executed"]] or 0)  # noqa: E731
-    stalled = lambda row: sum(number(row, r) for r in reasons)  # noqa: E731
     by_opcode = lambda row: opcode(row[col["Source"]])  # noqa: E731
     for flag, title, key in ((args.opcodes, "opcode", by_opcode), (args.regions, "executions", executed)):
         if flag:
@@ -65,8 +65,9 @@ def print_shares(title: str, rows: list, key, executed, stalled, samples: float,
     """Executed instructions and stall samples of the rows grouped by key(row), largest sample share first."""
     counts, stalls = collections.Counter(), collections.Counter()
     for row in rows:
-        counts[key(row)] += executed(row)
-        stalls[key(row)] += stalled(row)
+        k = key(row)
+        counts[k] += executed(row)
+        stalls[k] += stalled(row)
     total = max(1, sum(counts.values()))
     print(f"by {title}: executed instructions, stall samples")
     for k, n in stalls.most_common(top):
