@@ -12,7 +12,8 @@
 #   ab_bench:  whole forwards (graph replays, w4a16, fused) of each directory of $AB_DIRS at $AB_SHAPES x $AB_TOKENS
 #              with $AB_BENCH_TACTIC (default: the heuristic's, untuned), in interleaved rounds ($AB_ROUNDS)
 #   ab_tactics: per-kernel profile of each tactic of $AB_TACTICS ("default" or "tile,split1,split2") at $AB_POINTS
-#   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels)
+#   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels);
+#              $SWEEP_TOKENS and $SWEEP_SHAPES narrow it
 #   prefill:   per-kernel profile of the default tactic at T=4096 on five shapes (the wgmma GEMMs)
 #   prefill_ncu: ncu sections of the wgmma GEMMs at $PREFILL_POINTS (default mixtral-8x7b:4096)
 #   ncu_source: ncu --set full of the first $NCU_KERNEL launch at each of $NCU_POINTS: details and per-SASS stalls
@@ -160,7 +161,7 @@ elif [ "$PART" = ab_tactics ]; then  # AB_TACTICS: tactics ("default": the heuri
   profile_tactics prefill_tactic_ ""
 elif [ "$PART" = sweep ]; then  # issue 4's sweep, w4a16 fused, all three impls (carry .offline/triton_kernels_v3.6)
   step sweep "${SWEEP_SECONDS:-560}" env PYTHONPATH="$PWD:$PWD/.offline/triton_kernels_v3.6" python3 -m moe_ext.bench \
-    --shapes qwen3-30b-a3b,deepseek-v3-ep8,gpt-oss-120b,mixtral-8x7b,deepseek-v3 \
+    --shapes "${SWEEP_SHAPES:-qwen3-30b-a3b,deepseek-v3-ep8,gpt-oss-120b,mixtral-8x7b,deepseek-v3}" \
     --tokens "${SWEEP_TOKENS:-1,8,64,256,1024,4096,16384}" --modes w4a16 --finalize fused \
     --impls moe_ext,torch_grouped_mm_bf16,triton_kernels_mxfp4 --iters 20 --max-seconds-per-point 1.0 \
     --out "$OUT/h200.json"
