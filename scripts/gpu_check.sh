@@ -21,6 +21,7 @@
 #   examples:  install, memcheck of every kernel, the examples, host overhead, fused vs deterministic finalize
 #   bench:     install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
 #   decode:    T <= 64 breakdown: graph replays (both finalize modes), per-kernel profile, ncu of each kernel alone
+#   quant_modes: w4a16 / w4a4 / w4a8 whole forwards on every shape and $QUANT_TOKENS ($QUANT_TACTIC: default)
 #   select:    the tests PYTEST_K selects; variants: stream_variants.py once per line of VARIANT_ARGS (carry .offline)
 #   localized: install, the localized / fused-finalize / graph tests, memcheck, the localized benchmark
 # A summary and logs.tgz go to $OUT. Prepare here, then run there (the device tool, carry .kernels):
@@ -108,6 +109,12 @@ elif [ "$PART" = quant_wgmma ]; then
     --maxfail=10
   step bench_quant 200 python3 -m moe_ext.bench --tokens 4096 --modes w4a16,w4a4,w4a8 --finalize fused --iters 10 \
     --impls moe_ext --max-seconds-per-point 1.5 --out "$OUT/h200_quant_wgmma.json"
+elif [ "$PART" = quant_modes ]; then  # issue 4's "w4a4 and w4a8 within 15% of w4a16", one tactic policy for all
+  step bench_quant_modes "${QUANT_SECONDS:-400}" python3 -m moe_ext.bench \
+    --shapes qwen3-30b-a3b,deepseek-v3-ep8,gpt-oss-120b,mixtral-8x7b,deepseek-v3 \
+    --tokens "${QUANT_TOKENS:-1,8,64,256,1024,4096,16384}" --modes w4a16,w4a4,w4a8 --finalize fused \
+    --impls moe_ext --tactic "${QUANT_TACTIC:-default}" --iters 20 --max-seconds-per-point 1.0 \
+    --out "$OUT/h200_quant_modes.json"
 elif [ "$PART" = select ]; then  # PYTEST_K: a -k expression over every test file but the 2-GPU one
   tests_step pytest_select 400 tests --ignore=tests/test_distributed.py \
     -k "$PYTEST_K" -rs
