@@ -49,7 +49,7 @@ class HopperBackend:
     split): tokens per CTA of the streaming GEMMs (a tile the kernels were compiled for) and how many CTAs of a
     cluster share each GEMM tile's K steps; split launcher.WGMMA (0) runs that GEMM's warp-specialised wgmma kernel
     instead (128-token tile; in the quantized modes both GEMMs or neither), launcher.WGMMA_WIDE (-1) its 256-row
-    weight tiles, launcher.THREE_CTAS (-2) its streaming kernel's three-CTAs-an-SM form (8-token tiles)."""
+    weight tiles, launcher.THREE_CTAS (-2) its streaming kernel's three-CTAs-an-SM form (8- and 32-token tiles)."""
 
     name: str = "sm90"
 

@@ -253,10 +253,10 @@ WIDE_TILE_MIN_ROWS = 512
 # one launch) must be a multiple of 256.
 WGMMA_WIDE = -1
 WIDE_WEIGHT_ROWS = 256
-# The "split" of a GEMM that selects its streaming kernel's three-CTAs-an-SM form, no K split (8-token tiles,
-# stream.config_for): it pays where a launch's CTAs fill three an SM, and loses where a few hundred run.
+# The "split" of a GEMM that selects its streaming kernel's three-CTAs-an-SM form, no K split (8- and 32-token
+# tiles, stream.config_for): it pays where a launch's CTAs fill three an SM, and loses where a few hundred run.
 THREE_CTAS = -2
-THREE_CTA_TILES = (8,)  # moe_ext/kernels/sm90/stream.py THREE_CTA_TILES
+THREE_CTA_TILES = (8, 32)  # moe_ext/kernels/sm90/stream.py THREE_CTA_TILES
 # The wgmma GEMM2 each kernel mode runs: w4a4's decoded FC2 input and NVFP4 weights are w4a16's.
 _WGMMA_GEMM2_MODE = {"w4a4": "w4a16"}
 X_FORMAT = {"w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}

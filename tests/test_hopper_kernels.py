@@ -43,8 +43,8 @@ def check_against_reference(case, fused, every_tile=True, **over):
              if t in HOPPER.tactics(problem)]  # the wgmma GEMMs: each and both (w4a16), both (quantized modes)
     assert (launcher.WGMMA_TILE, W, W) in wgmma, "every mode links the wgmma GEMMs"  # and the 256 ones, when built
     chosen += wgmma
-    C = launcher.THREE_CTAS  # the 8-token tile's three-CTA form: both GEMMs, and each beside a K split
-    three = [(8, C, C), (8, C, 2), (8, 4, C)]
+    C = launcher.THREE_CTAS  # the three-CTA forms: both GEMMs, and each beside a K split; 32-token tiles too
+    three = [(8, C, C), (8, C, 2), (8, 4, C), (32, C, C)]
     assert all(t in HOPPER.tactics(problem) for t in three), "every mode links the three-CTA form"
     chosen += three if every_tile else three[:1]
     for tactic in chosen:

@@ -27,9 +27,10 @@ def test_every_shipped_kernel_compiles_for_sm90a(built_kernels):
         gemms += [f"moe_gemm1_{mode}_{kind}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
         gemms += [f"moe_gemm2_{mode}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")]
-    gemms += [f"moe_gemm1_{mode}_{kind}_t8_3cta" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
-              for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
-    gemms += [f"moe_gemm2_{mode}_t8_3cta" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")]
+    for tokens in (8, 32):
+        gemms += [f"moe_gemm1_{mode}_{kind}_t{tokens}_3cta" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
+                  for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
+        gemms += [f"moe_gemm2_{mode}_t{tokens}_3cta" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")]
     for suffix in ("_t128_wgmma", "_t256_wgmma", "_t128_wgmma_n256"):
         gemms += [f"moe_gemm1_{mode}_{kind}{suffix}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
@@ -266,19 +267,20 @@ def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernel
 
 
 def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):
-    """The 16-token streaming GEMMs run three CTAs an SM (stream.config_for), and so do the 8-token ones' `_3cta`
-    form, which caps them at 80 registers a thread: none of them may touch local memory (a spill would sit in every
-    K step's decode)."""
+    """The 16-token streaming GEMMs run three CTAs an SM (stream.config_for), and so do the 8- and 32-token ones'
+    `_3cta` form, which caps them at 80 registers a thread: none of them may touch local memory (a spill would sit
+    in every K step's decode)."""
     from moe_ext.kernels.sm90 import stream
 
     assert stream.config_for(16, 1).ctas_per_sm == stream.config_for(16, 2).ctas_per_sm == 3
     assert stream.config_for(8, 1, three_ctas=True).ctas_per_sm == stream.config_for(8, 2, True).ctas_per_sm == 3
     assert stream.config_for(8, 2, True).k_slices == 1 and stream.config_for(8, 2).k_slices == 2
+    assert stream.config_for(32, 1, three_ctas=True).ctas_per_sm == stream.config_for(32, 2, True).ctas_per_sm == 3
     with pytest.raises(ValueError, match="three-CTA form"):
-        stream.config_for(32, 1, three_ctas=True)
+        stream.config_for(64, 1, three_ctas=True)
     listed = (built_kernels / "kernels.txt").read_text().split()
-    names = [n for n in listed if n.endswith("_t16") or n.endswith("_t8_3cta")]
-    assert len(names) == 2 * 19  # each: 15 GEMM1 (modes x activations) + 4 GEMM2
+    names = [n for n in listed if n.endswith("_t16") or n.endswith("_t8_3cta") or n.endswith("_t32_3cta")]
+    assert len(names) == 3 * 19  # each: 15 GEMM1 (modes x activations) + 4 GEMM2
     for name in names:
         counts = kernel_sass.opcode_counts(kernel_sass.sass(str(built_kernels / f"{name}.o")))
         assert counts["LDL"] + counts["STL"] == 0, name

@@ -161,8 +161,9 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
 
 
 def test_three_cta_form_is_offered_on_8_token_tiles_and_taken_where_ctas_fill_three_an_sm(monkeypatch):
-    """THREE_CTAS selects the 8-token streaming GEMMs' `_3cta` kernels, either GEMM on its own; the default takes
-    it for an unsplit GEMM whose expected CTAs fill three an SM (measured faster there, slower at 256 CTAs)."""
+    """THREE_CTAS selects the 8- and 32-token streaming GEMMs' `_3cta` kernels, either GEMM on its own; the default
+    takes it for an unsplit GEMM whose expected CTAs fill three an SM (on 8-token tiles measured faster there,
+    slower at 256 CTAs)."""
     from moe_ext import launcher
 
     C = launcher.THREE_CTAS
@@ -172,7 +173,7 @@ def test_three_cta_form_is_offered_on_8_token_tiles_and_taken_where_ctas_fill_th
     tiles = launcher.TOKEN_TILES
     added = set(launcher.tactics(tiles, three_ctas=True)) - set(launcher.tactics(tiles))
     forms = launcher.K_SPLITS + (C,)
-    assert added == {(8, a, b) for a in forms for b in forms if C in (a, b)}
+    assert added == {(t, a, b) for t in (8, 32) for a in forms for b in forms if C in (a, b)}
     with_wgmma = set(launcher.tactics(tiles, wgmma=True, three_ctas=True)) - set(launcher.tactics(tiles, wgmma=True))
     assert with_wgmma == added
     # DeepSeek-V3 at T=8 and 64: 64 live tiles x 32 / 56 CTAs, both GEMMs; without the kernels, no THREE_CTAS.
@@ -184,8 +185,10 @@ def test_three_cta_form_is_offered_on_8_token_tiles_and_taken_where_ctas_fill_th
     # DeepSeek-V3 EP8 at T=1 splits K as before; at T=8 GEMM1's ~342 expected CTAs stay, GEMM2's ~600 take it.
     assert launcher.default_tactic(1, 8, 256, 32, 4096, 7168, tiles, 132, three_ctas=True) == (8, 2, 1)
     assert launcher.default_tactic(8, 8, 256, 32, 4096, 7168, tiles, 132, three_ctas=True) == (8, 1, C)
-    # Only 8-token tiles have the form: 8 rows per expert (16-token tiles) keep K splits.
+    # 16-token tiles have no separate form: 8 rows per expert (DeepSeek-V3 T=256) keep K splits.
     assert C not in launcher.default_tactic(256, 8, 256, 256, 4096, 7168, tiles, 132, three_ctas=True)
+    # Mixtral at T=64 (16 rows an expert, 32-token tiles): GEMM1's 8 x 224 CTAs take it, GEMM2's 8 x 32 do not.
+    assert launcher.default_tactic(64, 2, 8, 8, 28672, 4096, tiles, 132, True, three_ctas=True) == (32, C, 1)
 
 
 def test_wide_weight_kernels_are_named_and_offered_only_where_rows_allow(monkeypatch):

@@ -45,7 +45,7 @@ def specialisations():
                                   functools.partial(gemm1.compile_gemm1, mode, kind, tokens)))
         specs += [(f"moe_gemm2_{mode}_t{tokens}", functools.partial(gemm2.compile_gemm2, mode, tokens))
                   for mode in gemm2.MODES]
-    # The three-CTAs-an-SM form of the 8-token streaming GEMMs (stream.config_for; launcher.THREE_CTAS).
+    # The three-CTAs-an-SM form of the 8- and 32-token streaming GEMMs (stream.config_for; launcher.THREE_CTAS).
     for tokens in stream.THREE_CTA_TILES:
         specs += [(f"moe_gemm1_{mode}_{kind}_t{tokens}_3cta",
                    functools.partial(gemm1.compile_gemm1, mode, kind, tokens, three_ctas=True))

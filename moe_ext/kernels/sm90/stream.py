@@ -93,7 +93,10 @@ def config_for(tokens: int, gemm: int, three_ctas: bool = False) -> StreamConfig
     0.89-1.06x (its K chunk halves again). On 8-token tiles it depends on the launch: 1.06-1.8x where three CTAs
     an SM fill the GPU (GEMM2 gains most: it drops the two K slices), 0.75-0.96x where a few hundred CTAs or fewer run
     (session 17, h200_session17_checks.md), so 8-token tiles have both forms (`three_ctas`, THREE_CTA_TILES) and
-    the tactic picks one per GEMM (launcher.THREE_CTAS)."""
+    the tactic picks one per GEMM (launcher.THREE_CTAS). 32-token tiles have both forms too since their mainloop
+    runs quarter widths (session 19): at ~16 rows an expert (Mixtral T=64) the two-CTA form issues 0.56
+    instructions a scheduler and cycle from 3.7 warps, latency bound, and a third CTA's warps may outweigh the
+    512-K chunks' extra restaging (prepared, not measured)."""
     three = StreamConfig(stages=4, ctas_per_sm=3, token_elems=16384)
     if three_ctas:
         if tokens not in THREE_CTA_TILES:
@@ -145,7 +148,7 @@ def accumulator_size(tokens: int, c: StreamConfig) -> int:
 
 
 TOKEN_TILES = (8, 16, 32, 64, 128)  # the routing tiles the kernels are compiled for (tokens per CTA)
-THREE_CTA_TILES = (8,)  # tiles also compiled in a three-CTAs-an-SM form (config_for's three_ctas)
+THREE_CTA_TILES = (8, 32)  # tiles also compiled in a three-CTAs-an-SM form (config_for's three_ctas)
 
 BF16X2_2P63 = 0x5F005F00  # bf16 2^63 in both halves
 BF16X2_2P120 = 0x7B807B80
