@@ -22,6 +22,7 @@
 #   bench:     install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
 #   decode:    T <= 64 breakdown: graph replays (both finalize modes), per-kernel profile, ncu of each kernel alone
 #   quant_modes: w4a16 / w4a4 / w4a8 whole forwards on every shape and $QUANT_TOKENS ($QUANT_TACTIC: default)
+#   quant_profile: per-kernel times of w4a16 / w4a4 / w4a8 (default tactic) at $QUANT_POINTS
 #   select:    the tests PYTEST_K selects; variants: stream_variants.py once per line of VARIANT_ARGS (carry .offline)
 #   localized: install, the localized / fused-finalize / graph tests, memcheck, the localized benchmark
 # A summary and logs.tgz go to $OUT. Prepare here, then run there (the device tool, carry .kernels):
@@ -115,6 +116,11 @@ elif [ "$PART" = quant_modes ]; then  # issue 4's "w4a4 and w4a8 within 15% of w
     --tokens "${QUANT_TOKENS:-1,8,64,256,1024,4096,16384}" --modes w4a16,w4a4,w4a8 --finalize fused \
     --impls moe_ext --tactic "${QUANT_TACTIC:-default}" --iters 20 --max-seconds-per-point 1.0 \
     --out "$OUT/h200_quant_modes.json"
+elif [ "$PART" = quant_profile ]; then  # where the quantized modes' extra time goes: per-kernel, each mode
+  for m in w4a16 w4a4 w4a8; do
+    step "profile_$m" 120 python3 benchmarks/profile_kernels.py --mode "$m" --fused \
+      --points "${QUANT_POINTS:-qwen3-30b-a3b:8,qwen3-30b-a3b:64,mixtral-8x7b:64}"
+  done
 elif [ "$PART" = select ]; then  # PYTEST_K: a -k expression over every test file but the 2-GPU one
   tests_step pytest_select 400 tests --ignore=tests/test_distributed.py \
     -k "$PYTEST_K" -rs
