@@ -45,6 +45,8 @@ trap pack EXIT
 export PYTHONUNBUFFERED=1
 # The five shapes at T=4096, where the default tactic runs the wgmma GEMMs (parts prefill and ab_wgmma).
 PREFILL_T4096=qwen3-30b-a3b:4096,deepseek-v3-ep8:4096,mixtral-8x7b:4096,deepseek-v3:4096,gpt-oss-120b:4096
+# The issue-4 shapes (parts sweep and quant_modes).
+SHAPES=qwen3-30b-a3b,deepseek-v3-ep8,gpt-oss-120b,mixtral-8x7b,deepseek-v3
 export MOE_EXT_KERNEL_DIR=${MOE_EXT_KERNEL_DIR:-$PWD/.kernels}
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -112,7 +114,7 @@ elif [ "$PART" = quant_wgmma ]; then
     --impls moe_ext --max-seconds-per-point 1.5 --out "$OUT/h200_quant_wgmma.json"
 elif [ "$PART" = quant_modes ]; then  # issue 4's "w4a4 and w4a8 within 15% of w4a16", one tactic policy for all
   step bench_quant_modes "${QUANT_SECONDS:-400}" python3 -m moe_ext.bench \
-    --shapes qwen3-30b-a3b,deepseek-v3-ep8,gpt-oss-120b,mixtral-8x7b,deepseek-v3 \
+    --shapes "$SHAPES" \
     --tokens "${QUANT_TOKENS:-1,8,64,256,1024,4096,16384}" --modes w4a16,w4a4,w4a8 --finalize fused \
     --impls moe_ext --tactic "${QUANT_TACTIC:-default}" --iters 20 --max-seconds-per-point 1.0 \
     --out "$OUT/h200_quant_modes.json"
@@ -174,7 +176,7 @@ elif [ "$PART" = ab_tactics ]; then  # AB_TACTICS: tactics ("default": the heuri
   profile_tactics prefill_tactic_ ""
 elif [ "$PART" = sweep ]; then  # issue 4's sweep, w4a16 fused, all three impls (carry .offline/triton_kernels_v3.6)
   step sweep "${SWEEP_SECONDS:-560}" env PYTHONPATH="$PWD:$PWD/.offline/triton_kernels_v3.6" python3 -m moe_ext.bench \
-    --shapes "${SWEEP_SHAPES:-qwen3-30b-a3b,deepseek-v3-ep8,gpt-oss-120b,mixtral-8x7b,deepseek-v3}" \
+    --shapes "${SWEEP_SHAPES:-$SHAPES}" \
     --tokens "${SWEEP_TOKENS:-1,8,64,256,1024,4096,16384}" --modes w4a16 --finalize fused \
     --impls moe_ext,torch_grouped_mm_bf16,triton_kernels_mxfp4 --iters 20 --max-seconds-per-point 1.0 \
     --out "$OUT/h200.json"

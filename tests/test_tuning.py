@@ -160,7 +160,7 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     assert launcher.default_tactic(1, 8, 256, 32, 4096, 7168, tiles, 132, True, wide=(True, True)) == (8, 2, 1)
 
 
-def test_three_cta_form_is_offered_on_8_token_tiles_and_taken_where_ctas_fill_three_an_sm(monkeypatch):
+def test_three_cta_form_is_offered_on_8_and_32_token_tiles_and_taken_where_ctas_fill_three_an_sm(monkeypatch):
     """THREE_CTAS selects the 8- and 32-token streaming GEMMs' `_3cta` kernels, either GEMM on its own; the default
     takes it for an unsplit GEMM whose expected CTAs fill three an SM (on 8-token tiles measured faster there,
     slower at 256 CTAs)."""

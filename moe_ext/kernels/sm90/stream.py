@@ -95,8 +95,9 @@ def config_for(tokens: int, gemm: int, three_ctas: bool = False) -> StreamConfig
     (session 17, h200_session17_checks.md), so 8-token tiles have both forms (`three_ctas`, THREE_CTA_TILES) and
     the tactic picks one per GEMM (launcher.THREE_CTAS). 32-token tiles have both forms too since their mainloop
     runs quarter widths (session 19): at ~16 rows an expert (Mixtral T=64) the two-CTA form issues 0.56
-    instructions a scheduler and cycle from 3.7 warps, latency bound, and a third CTA's warps may outweigh the
-    512-K chunks' extra restaging (prepared, not measured)."""
+    instructions a scheduler and cycle from 3.7 warps, latency bound, and the third CTA's warps outweigh the
+    smaller K chunks' extra restaging where the launch is large (1.03-1.05x; 0.98x at 96 CTAs; session 20,
+    h200_session20_checks.md)."""
     three = StreamConfig(stages=4, ctas_per_sm=3, token_elems=16384)
     if three_ctas:
         if tokens not in THREE_CTA_TILES:
