@@ -95,7 +95,7 @@ def _probe_accumulate_nothing(sm, *args):
     """No mainloop at all: launch, prologue of the kernel and its epilogue on whatever shared memory holds."""
 
 
-def _probe_token_group_zero(a_format, values_bf16, values_q, offset, scale_byte):
+def _probe_token_group_zero(values_bf16, offset):
     from cutlass import Int32
     return [Int32(0)] * 4
 

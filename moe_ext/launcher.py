@@ -15,7 +15,6 @@ import torch
 
 from .activation import LOG2E
 from .plan import ROLES
-from .quant.block import sf_block
 from .quant.swizzle import swizzled_size
 from .routing import Routing, expected_experts_hit, max_num_tiles
 
@@ -186,7 +185,7 @@ def route(token_selected_experts: torch.Tensor, num_local_experts: int, local_ex
           out: Routing, enable_pdl: bool = True, decode: tuple | None = None) -> Routing:
     """Fill `out` (sized by allocate_routing or a workspace) with the routing maps, on the current stream.
     decode = (format, x, x_sf, x_out): the same launch also decodes the NVFP4 / MXFP8 activations (checked flat
-    views) into the bf16 x_out, for the wgmma GEMM1 (moe_ext/kernels/sm90/routing.py)."""
+    views) into the bf16 x_out, for GEMM1 (moe_ext/kernels/sm90/routing.py)."""
     ids = token_selected_experts
     device = ids.device
     if ids.dtype != torch.int32 or ids.dim() != 2 or device.type != "cuda":
@@ -220,11 +219,21 @@ ACTIVATION_KIND = {"swiglu": 0, "situ": 1, "geglu_tanh": 2, "relu2": 3}
 TOKEN_TILES = (8, 16, 32, 64, 128)
 
 
+def mode_kernels(mode: str) -> list:
+    """The kernels every forward of this kernel mode launches besides its GEMMs: in the quantized modes the routing
+    launch that also decodes x to bf16, and in w4a4_pt the per-token FC2 quantizer (both GEMM families read bf16)."""
+    extra = ["moe_routing"] if mode == "w4a16" else [f"moe_routing_decode_{X_FORMAT[mode]}"]
+    return extra + (["moe_fc2_quant_per_token"] if mode == "w4a4_pt" else [])
+
+
 @functools.lru_cache(maxsize=None)
 def streaming_tiles(mode: str, kind: str) -> tuple:
-    """The routing tiles with both streaming GEMM kernels linked for this mode (with `_pt`) and activation kind."""
+    """The routing tiles with both streaming GEMM kernels linked for this mode (with `_pt`) and activation kind
+    (none without the mode's other kernels)."""
+    if not all(has_kernel(name) for name in mode_kernels(mode)):
+        return ()
     return tuple(t for t in TOKEN_TILES
-                 if has_kernel(f"moe_gemm1_{mode}_{kind}_t{t}") and has_kernel(f"moe_gemm2_{mode}_t{t}"))
+                 if has_kernel(gemm1_kernel(mode, kind, t, 1)) and has_kernel(gemm2_kernel(mode, t, 1)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,8 +248,8 @@ def token_tiles(mode: str, kind: str) -> tuple:
 
 K_SPLITS = (1, 2, 4)  # CTAs of a cluster that share one GEMM tile's K steps (cluster split-K)
 # The "split" of a GEMM that selects its warp-specialised wgmma kernel (gemm1_wgmma.py, gemm2_wgmma.py):
-# 128-token tiles, bf16 operands, no K split. In the quantized modes the routing launch decodes the activations
-# to bf16 for it and GEMM1 stores the FC2 input's quantization decoded, so both GEMMs take wgmma or neither does.
+# 128-token tiles, bf16 operands, no K split. In the quantized modes both GEMMs take wgmma or neither does: both
+# families read the same decoded bf16 operands, so a mixed pair would run, but it was never measured.
 WGMMA = 0
 WGMMA_TILE = 128
 WGMMA_MIN_ROWS = 32  # expected rows per local expert from which the default tactic takes the wgmma GEMMs
@@ -257,8 +266,8 @@ WIDE_WEIGHT_ROWS = 256
 # tiles, stream.config_for): it pays where a launch's CTAs fill three an SM, and loses where a few hundred run.
 THREE_CTAS = -2
 THREE_CTA_TILES = (8, 32)  # moe_ext/kernels/sm90/stream.py THREE_CTA_TILES
-# The wgmma GEMM2 each kernel mode runs: w4a4's decoded FC2 input and NVFP4 weights are w4a16's.
-_WGMMA_GEMM2_MODE = {"w4a4": "w4a16"}
+# The GEMM2 each kernel mode runs: w4a4's FC2 input arrives decoded and its weights are NVFP4, as w4a16's.
+_GEMM2_MODE = {"w4a4": "w4a16"}
 X_FORMAT = {"w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}
 
 
@@ -275,9 +284,7 @@ def gemm1_kernel(mode: str, kind: str, tile: int, split: int) -> str:
 
 
 def gemm2_kernel(mode: str, tile: int, split: int) -> str:
-    if is_wgmma(split):
-        return f"moe_gemm2_{_WGMMA_GEMM2_MODE.get(mode, mode)}_t{tile}" + _kernel_suffix(split)
-    return f"moe_gemm2_{mode}_t{tile}" + _kernel_suffix(split)
+    return f"moe_gemm2_{_GEMM2_MODE.get(mode, mode)}_t{tile}" + _kernel_suffix(split)
 
 
 def wide_weights(mode: str, kind: str, n1: int, hidden: int) -> tuple[bool, bool]:
@@ -304,14 +311,10 @@ def has_three_ctas(mode: str, kind: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def has_wgmma(mode: str, kind: str) -> bool:
-    """Whether the wgmma forward of this kernel mode and activation is linked: both wgmma GEMMs, the 128-token
-    tile's other kernels and, in the quantized modes, the decoding routing launch (and the per-token quantizer
-    that writes bf16)."""
-    extra = [] if mode == "w4a16" else [f"moe_routing_decode_{X_FORMAT[mode]}"]
-    if mode == "w4a4_pt":
-        extra.append("moe_fc2_quant_per_token_bf16")
+    """Whether the wgmma forward of this kernel mode and activation is linked: both wgmma GEMMs and the 128-token
+    tile's other kernels (streaming_tiles, which also asks for the mode's routing launch and quantizer)."""
     return (WGMMA_TILE in streaming_tiles(mode, kind) and has_kernel(gemm1_kernel(mode, kind, WGMMA_TILE, WGMMA))
-            and has_kernel(gemm2_kernel(mode, WGMMA_TILE, WGMMA)) and all(has_kernel(n) for n in extra))
+            and has_kernel(gemm2_kernel(mode, WGMMA_TILE, WGMMA)))
 
 
 def tactics(tiles: tuple, wgmma: bool = False, mixed: bool = True, wide: tuple = (False, False),
@@ -416,27 +419,21 @@ def activation_params(activation) -> tuple[float, float, float, float]:
 
 @dataclass
 class KernelBuffers:
-    """Scratch of one kernel forward, flat: the activations decoded to bf16 (quantized modes on the wgmma GEMMs),
-    the FC2 input (bf16, and quantized + swizzled scales for the streaming GEMM2), per-row FC2 scales (per-token
-    mode) and the per-slot expert outputs the finalize kernel combines."""
+    """Scratch of one kernel forward, flat: the activations decoded to bf16 (quantized modes), the FC2 input (bf16;
+    in the quantized modes its quantization decoded), per-row FC2 scales (per-token mode) and the per-slot expert
+    outputs the finalize kernel combines."""
 
     x_decoded: torch.Tensor
     intermediate_bf16: torch.Tensor
-    intermediate_q: torch.Tensor
-    intermediate_sf: torch.Tensor
     row_scale: torch.Tensor
     slot_output: torch.Tensor
 
     @staticmethod
     def sizes(quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int) -> dict:
         """Element counts of each buffer (0 where the mode does not use it)."""
-        block = sf_block(quant_mode)
-        quantized = quant_mode != "w4a16"
         return dict(
-            x_decoded=tokens * hidden if quantized else 0,
+            x_decoded=tokens * hidden if quant_mode != "w4a16" else 0,
             intermediate_bf16=rows * inter,
-            intermediate_q=(rows * inter if quant_mode == "w4a8" else rows * inter // 2) if quantized else 0,
-            intermediate_sf=swizzled_size(1, rows, inter // block) if quantized else 0,
             row_scale=rows if quant_mode == "w4a4" else 0,
             slot_output=tokens * top_k * hidden,
         )
@@ -444,8 +441,8 @@ class KernelBuffers:
     @classmethod
     def allocate(cls, quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int,
                  device) -> "KernelBuffers":
-        dtypes = dict(x_decoded=torch.bfloat16, intermediate_bf16=torch.bfloat16, intermediate_q=torch.uint8,
-                      intermediate_sf=torch.uint8, row_scale=torch.float32, slot_output=torch.bfloat16)
+        dtypes = dict(x_decoded=torch.bfloat16, intermediate_bf16=torch.bfloat16, row_scale=torch.float32,
+                      slot_output=torch.bfloat16)
         return cls(**{name: torch.empty(max(n, 1), dtype=dtypes[name], device=device)
                       for name, n in cls.sizes(quant_mode, rows, inter, tokens, top_k, hidden).items()})
 
@@ -467,8 +464,9 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     """routing -> GEMM1 (-> per-token FC2 quantize) -> GEMM2 (-> finalize) on the current stream; every grid
     depends on T only, so the sequence can be captured in a CUDA graph once and replayed for any routing.
 
-    k_splits: the cluster K split of GEMM1 and GEMM2 (K_SPLITS, or WGMMA for the wgmma kernel; in w4a4 / w4a8 the
-    routing launch then also decodes x to bf16 for it, and GEMM1 stores the FC2 input decoded). Fused finalize:
+    k_splits: the cluster K split of GEMM1 and GEMM2 (K_SPLITS, THREE_CTAS, or WGMMA / WGMMA_WIDE for the wgmma
+    kernels). In w4a4 / w4a8 the routing launch also decodes x to bf16 and GEMM1 stores the FC2 input's
+    quantization decoded, so both GEMMs of either family read bf16. Fused finalize:
     `out` is zeroed (on the `aux` ForkJoin's stream, overlapping GEMM1, or in order on the current stream without
     one) and GEMM2 adds each router-weighted row into it; deterministic: GEMM2 writes per-slot rows and the
     finalize kernel sums them. Localized shards (problem.shards): FC1 of each shard writes its half of the
@@ -508,7 +506,7 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     buf = {name: _check(name, getattr(buffers, name)[:n], getattr(buffers, name).dtype, device, n, 16) if n
            else dummy[getattr(buffers, name).dtype] for name, n in sizes.items()}
     decode = None
-    if wgmma and mode != "w4a16":  # the routing launch decodes x for the wgmma GEMM1
+    if mode != "w4a16":  # the routing launch decodes x, once, for GEMM1
         decode = (X_FORMAT[mode], x_q, x_sf, buf["x_decoded"])
         x_bf16 = buf["x_decoded"]
     route(problem.token_selected_experts, E, problem.local_expert_offset, routing, enable_pdl, decode=decode)
@@ -536,13 +534,13 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
             x_bf16, x_q, x_sf, pts,
             _weight_view(_check("w1_weight", w.w1, u8, device, E * n1 * H // 2, 16)),
             _check("w1_weight_sf", w.w1_sf_bytes(), u8, device, swizzled_size(E, n1, H // block), 16),
-            w1_alpha, *maps, buf["intermediate_bf16"], buf["intermediate_q"], buf["intermediate_sf"], fc2_scale,
+            w1_alpha, *maps, buf["intermediate_bf16"], dummy[u8], dummy[u8], fc2_scale,
         ], [H, n1, I, d * inter_part, K, *act, max(1, k_splits[0])], enable_pdl, device)
 
     def gemm2(d: int) -> None:
         w = parts[d]
         launch(gemm2_kernel(mode, tile, k_splits[1]), [
-            buf["intermediate_bf16"], buf["intermediate_q"], buf["intermediate_sf"], buf["row_scale"],
+            buf["intermediate_bf16"], dummy[u8], dummy[u8], buf["row_scale"],
             _weight_view(_check("w2_weight", w.w2, u8, device, E * h_part * I // 2, 16)),
             _check("w2_weight_sf", w.w2_sf_bytes(), u8, device, swizzled_size(E, h_part, I // block), 16),
             w2_alpha, scales, *maps, out_flat if fused else buf["slot_output"],
@@ -566,10 +564,9 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
             call(aux.fork)
             memset_async(out_flat, aux.streams[0])
     on_parts(gemm1)
-    if mode == "w4a4_pt":  # the wgmma GEMM2 reads the quantization decoded, in place of h
-        launch("moe_fc2_quant_per_token_bf16" if wgmma else "moe_fc2_quant_per_token",
-               [buf["intermediate_bf16"], routing.permuted_to_expanded, fc2_scale, buf["intermediate_q"],
-                buf["intermediate_sf"], buf["row_scale"]], [I], enable_pdl, device)
+    if mode == "w4a4_pt":  # GEMM2 reads the quantization decoded, in place of h
+        launch("moe_fc2_quant_per_token", [buf["intermediate_bf16"], routing.permuted_to_expanded, fc2_scale,
+                                           buf["row_scale"]], [I], enable_pdl, device)
     if fused and aux is not None:
         call(aux.join)
     on_parts(gemm2)

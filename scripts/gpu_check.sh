@@ -23,6 +23,7 @@
 #   decode:    T <= 64 breakdown: graph replays (both finalize modes), per-kernel profile, ncu of each kernel alone
 #   quant_modes: w4a16 / w4a4 / w4a8 whole forwards on every shape and $QUANT_TOKENS ($QUANT_TACTIC: default)
 #   quant_profile: per-kernel times of w4a16 / w4a4 / w4a8 (default tactic) at $QUANT_POINTS
+#   formats:   the in-kernel e4m3 / MXFP8 conversions against moe_ext.quant, JIT-compiled (carry .offline)
 #   select:    the tests PYTEST_K selects; variants: stream_variants.py once per line of VARIANT_ARGS (carry .offline)
 #   localized: install, the localized / fused-finalize / graph tests, memcheck, the localized benchmark
 # A summary and logs.tgz go to $OUT. Prepare here, then run there (the device tool, carry .kernels):
@@ -53,8 +54,9 @@ export MOE_EXT_KERNEL_DIR=${MOE_EXT_KERNEL_DIR:-$PWD/.kernels}
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } > "$LOG/env.txt" 2>&1
 : > "$OUT/summary.txt"
-# ab_wgmma and ab_bench install each of their directories themselves; alone, no install of the default one first.
-if [ "$PARTS" != ab_wgmma ] && [ "$PARTS" != ab_bench ]; then
+# ab_wgmma and ab_bench install each of their directories themselves, and formats needs no launcher (it JIT-compiles
+# its kernels): alone, none of them installs the default one first.
+if [ "$PARTS" != ab_wgmma ] && [ "$PARTS" != ab_bench ] && [ "$PARTS" != formats ]; then
   MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install.log" 2>&1
   echo "install rc=$?" | tee -a "$OUT/summary.txt"
 fi
@@ -135,6 +137,9 @@ elif [ "$PART" = variants ]; then  # VARIANT_ARGS: one stream_variants.py argume
     step "variants_$n" 150 env PYTHONPATH="$PWD:${PYTHONPATH:-}" python3 benchmarks/stream_variants.py $args \
       --out "$OUT/variants_$n.json"
   done <<< "$VARIANT_ARGS"
+elif [ "$PART" = formats ]; then  # the kernels' number formats, JIT-compiled with CuTe-DSL (needs .offline)
+  (tar xJf .offline/cutedsl-4.8.1-py312.tar.xz -C /tmp && . /tmp/cutedsl-4.8.1-py312/env.sh &&
+   tests_step formats 300 tests/test_device_formats.py -rs)
 elif [ "$PART" = memcheck ]; then
   step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 3 python3 scripts/memcheck_smoke.py
 elif [ "$PART" = grid ]; then  # GRID_SHARD: one or more K/N, space-separated; GRID_SECONDS bounds each; one JSON each

@@ -181,25 +181,37 @@ def reference_and_gate(problem, tolerance: float, orders: int = 16) -> tuple:
     return exact, max(tolerance, 1.25 * worst)
 
 
-def kernel_fc2_input_per_token(problem) -> dict:
-    """w4a4 per-token on the streaming tactic (8, 1, 1): the kernels' bf16 FC2 input h of the live permuted rows,
-    their codes, block scales and row scales, next to the reference quantizer applied to that same h (`ref_*`).
-    The routing launch is rerun into fresh buffers, so this reads the stages a real forward writes."""
+def kernel_fc2_input_per_token(problem, monkeypatch) -> dict:
+    """w4a4 per-token on the streaming tactic (8, 1, 1): GEMM1's bf16 FC2 input h of the live rows (a
+    forward without the per-token quantizer's launch), what a whole forward leaves in its place (the quantization
+    decoded, code * SF) and its row scales, next to the reference quantizer applied to that same h (`ref`); rows in
+    the order of their expanded indices (`expanded`).
+    Each forward reruns the routing launch into fresh buffers, so this reads the stages a real forward writes."""
     from moe_ext import launcher
     from moe_ext.quant.block import nvfp4_quantize_per_token
-    from moe_ext.quant.swizzle import unswizzle_sf
 
     T, K, H, I = problem.num_tokens, problem.top_k, problem.hidden_size, problem.intermediate_size
-    routing = launcher.allocate_routing(T, K, problem.num_local_experts, 8, problem.device)
-    rows = routing.permuted_to_expanded.numel()
-    buffers = launcher.KernelBuffers.allocate(problem.quant_mode, rows, I, T, K, H, problem.device)
-    out = torch.empty(T, H, dtype=torch.bfloat16, device=problem.device)
-    launcher.forward(problem, routing, buffers, out, True, (1, 1))
-    torch.cuda.synchronize()
-    live = (routing.permuted_to_expanded >= 0).nonzero().flatten()
-    h = buffers.intermediate_bf16[:rows * I].view(rows, I)[live]
+
+    def run(skip_quantizer: bool):
+        routing = launcher.allocate_routing(T, K, problem.num_local_experts, 8, problem.device)
+        rows = routing.permuted_to_expanded.numel()
+        buffers = launcher.KernelBuffers.allocate(problem.quant_mode, rows, I, T, K, H, problem.device)
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=problem.device)
+        with monkeypatch.context() as patch:
+            if skip_quantizer:
+                launch = launcher.launch
+                patch.setattr(launcher, "launch", lambda name, *args, **kwargs: None
+                              if name == "moe_fc2_quant_per_token" else launch(name, *args, **kwargs))
+            launcher.forward(problem, routing, buffers, out, True, (1, 1))
+        torch.cuda.synchronize()
+        # An expert's rows may land in another order each routing (atomics): rows go by expanded index.
+        expanded, order = routing.permuted_to_expanded.sort()
+        live = order[expanded >= 0]
+        h = buffers.intermediate_bf16[:rows * I].view(rows, I)
+        return expanded[expanded >= 0], h[live], buffers.row_scale[live]
+
+    expanded, h, _ = run(skip_quantizer=True)
+    expanded_after, decoded, row_scale = run(skip_quantizer=False)
+    assert torch.equal(expanded, expanded_after)
     ref = nvfp4_quantize_per_token(h.float(), float(problem.fc2_input_scale[0]))
-    return dict(routing=routing, live=live, h=h,
-                codes=buffers.intermediate_q[:rows * I // 2].view(rows, I // 2)[live],
-                sf=unswizzle_sf(buffers.intermediate_sf, 1, rows, I // 16).reshape(rows, I // 16)[live],
-                row_scale=buffers.row_scale[live], ref_codes=ref.data, ref_sf=ref.scale, ref_row_scale=ref.row_scale)
+    return dict(expanded=expanded, h=h, decoded=decoded, row_scale=row_scale, ref=ref)

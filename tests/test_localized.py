@@ -46,7 +46,7 @@ def _hopper_kernels():
     from moe_ext import launcher
 
     return (torch.cuda.is_available() and launcher.hopper_device(torch.device("cuda"))
-            and launcher.has_kernel("moe_gemm2_w4a4_t8"))
+            and launcher.has_kernel("moe_gemm2_w4a4_pt_t8"))
 
 
 hopper = pytest.mark.skipif(not _hopper_kernels(), reason="needs sm_90 and the kernels")

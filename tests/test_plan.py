@@ -182,7 +182,9 @@ def test_the_kernel_forward_marks_exactly_the_per_call_buffers(monkeypatch, mode
     weights and ids of this call."""
     recorded, calls, kw, out = fake_forward(monkeypatch, mode, fused, per_token=per_token)
     launches = [step for step in recorded if isinstance(step, Launch)]
-    assert launches[0].name == "moe_routing"
+    kernel_mode = "w4a4_pt" if per_token else mode
+    assert launches[0].name == ("moe_routing" if mode == "w4a16" else
+                                f"moe_routing_decode_{launcher.X_FORMAT[kernel_mode]}")
     assert all(isinstance(p, int) and isinstance(n, int) for _, bufs, *_ in calls for p, n in bufs)
     roles = {role for step in launches for _, role in step.roles}
     expected = {"x", "token_selected_experts", "token_final_scales"}
@@ -200,7 +202,8 @@ def test_fused_finalize_zeroes_the_output_and_gemm2_adds_into_it(monkeypatch, au
     names = [c[0] for c in calls]
     gemm1 = next(n for n in names if n.startswith("moe_gemm1"))
     gemm2 = next(n for n in names if n.startswith("moe_gemm2"))
-    expected = ["moe_routing"] + (["fork", "memset"] if aux else ["memset"]) + [gemm1] + (["join"] if aux else [])
+    expected = ["moe_routing_decode_nvfp4"] + (["fork", "memset"] if aux else ["memset"]) + [gemm1]
+    expected += ["join"] if aux else []
     assert names == expected + [gemm2]
     memset = calls[names.index("memset")]
     assert memset[1] == [(out.data_ptr(), out.numel() * 2)]
@@ -254,20 +257,22 @@ def test_a_wgmma_split_launches_that_gemms_wgmma_kernel_unsplit(monkeypatch, k_s
 
 @pytest.mark.parametrize("mode,per_token", [("w4a4", False), ("w4a4", True), ("w4a8", False)])
 @pytest.mark.parametrize("fused", [False, True])
-def test_quantized_modes_on_wgmma_decode_x_in_the_routing_launch(monkeypatch, mode, per_token, fused):
-    """Quantized activations on the wgmma GEMMs: the routing launch also decodes x (the per-call x and x_sf go to
-    it) into the bf16 buffer GEMM1 reads, the per-token quantizer writes bf16, and no kernel node is added."""
+@pytest.mark.parametrize("family", ["wgmma", "streaming"])
+def test_quantized_modes_decode_x_in_the_routing_launch(monkeypatch, mode, per_token, fused, family):
+    """Quantized activations on either GEMM family: the routing launch also decodes x (the per-call x and x_sf go
+    to it) into the bf16 buffer GEMM1 reads, the per-token quantizer writes its quantization decoded over the FC2
+    input GEMM2 reads, w4a4 runs w4a16's GEMM2, and no kernel node is added."""
     W = launcher.WGMMA
-    recorded, calls, kw, out = fake_forward(monkeypatch, mode, fused, per_token=per_token, tile=launcher.WGMMA_TILE,
-                                            k_splits=(W, W))
+    tile, k_splits, suffix = (launcher.WGMMA_TILE, (W, W), "_t128_wgmma") if family == "wgmma" else (8, (1, 2), "_t8")
+    recorded, calls, kw, out = fake_forward(monkeypatch, mode, fused, per_token=per_token, tile=tile,
+                                            k_splits=k_splits)
     launches = [step for step in recorded if isinstance(step, Launch)]
     names = [step.name for step in launches]
     kernel_mode = "w4a4_pt" if per_token else mode
-    expected = [f"moe_routing_decode_{launcher.X_FORMAT[kernel_mode]}",
-                f"moe_gemm1_{kernel_mode}_swiglu_t128_wgmma"]
-    expected += ["moe_fc2_quant_per_token_bf16"] if per_token else []
-    expected += [{"w4a4": "moe_gemm2_w4a16_t128_wgmma", "w4a4_pt": "moe_gemm2_w4a4_pt_t128_wgmma",
-                  "w4a8": "moe_gemm2_w4a8_t128_wgmma"}[kernel_mode]]
+    expected = [f"moe_routing_decode_{launcher.X_FORMAT[kernel_mode]}", f"moe_gemm1_{kernel_mode}_swiglu{suffix}"]
+    expected += ["moe_fc2_quant_per_token"] if per_token else []
+    expected += [{"w4a4": "moe_gemm2_w4a16", "w4a4_pt": "moe_gemm2_w4a4_pt", "w4a8": "moe_gemm2_w4a8"}[kernel_mode]
+                 + suffix]
     expected += [] if fused else ["moe_finalize"]
     assert names == expected
     assert len(names) <= 5
@@ -276,8 +281,11 @@ def test_quantized_modes_on_wgmma_decode_x_in_the_routing_launch(monkeypatch, mo
     decoded = launches[0].buffers[-1]
     assert launches[1].buffers[0] == decoded, "GEMM1 reads the decoded activations"
     assert decoded[1] == 5 * 256  # T * H bf16 values
-    with pytest.raises(ValueError, match="both GEMMs"):
-        fake_forward(monkeypatch, mode, fused, per_token=per_token, tile=launcher.WGMMA_TILE, k_splits=(W, 1))
+    fc2_input = launches[1].buffers[-4]  # GEMM1's out_bf16 (then out_q, out_sf, fc2_input_scale)
+    assert launches[names.index(expected[-1 if fused else -2])].buffers[0] == fc2_input, "GEMM2 reads GEMM1's bf16"
+    if family == "wgmma":
+        with pytest.raises(ValueError, match="both GEMMs"):
+            fake_forward(monkeypatch, mode, fused, per_token=per_token, tile=tile, k_splits=(W, 1))
 
 
 def test_the_wrapper_says_which_tactic_its_last_validated_run_chose():

@@ -141,7 +141,7 @@ def test_swapped_model_runs_on_the_hopper_kernels(family, mode, bound):
         with launcher.recording() as launches:
             on_gpu = model(ids.cuda()).logits.cpu()
     names = {step.name for step in launches if isinstance(step, launcher.Launch)}
-    assert "moe_routing" in names
+    assert set(launcher.mode_kernels(mode)) <= names  # the routing launch (in w4a4 / w4a8 decoding x)
     assert any(n.startswith("moe_gemm1_") for n in names) and any(n.startswith("moe_gemm2_") for n in names)
     assert torch.isfinite(on_gpu).all()
     rel = float((on_gpu - on_cpu).norm() / on_cpu.norm())

@@ -54,8 +54,8 @@ def specialisations():
                                                                          three_ctas=True))
                   for mode in gemm2.MODES]
     # The warp-specialised wgmma GEMMs for large T (128- and 256-token routing tiles, 128- and 256-row weight
-    # tiles, bf16 operands), the routing launches that also decode quantized activations for them, and the per-token
-    # quantizer that writes decoded bf16.
+    # tiles, bf16 operands); the routing launches that also decode quantized activations, and the per-token
+    # quantizer that writes its quantization decoded, for both GEMM families.
     for tokens, rows in wgmma_mainloop.SHAPES:
         suffix = f"_t{tokens}_wgmma" + ("" if rows == 128 else f"_n{rows}")
         specs += [(f"moe_gemm1_{mode}_{kind}{suffix}",
@@ -68,8 +68,6 @@ def specialisations():
     specs += [(f"moe_routing_decode_{fmt}", functools.partial(routing.compile_routing_decode, fmt))
               for fmt in routing.DECODE_FORMATS]
     specs += [("moe_fc2_quant_per_token", fc2_quant_per_token.compile_fc2_quant),
-              ("moe_fc2_quant_per_token_bf16", functools.partial(fc2_quant_per_token.compile_fc2_quant,
-                                                                 dequantize=True)),
               ("moe_finalize", finalize.compile_finalize)]
     return specs
 

@@ -2,8 +2,8 @@
 
 One CTA per permuted row; padding rows (permuted_to_expanded = -1) are skipped. The row max over the whole
 bf16 row gives pts2 = rowamax * fc2_input_scale (stored for GEMM2) and the encode scale enc = 1/pts2; each block
-of 16 then gets SF = e4m3(enc * amax/6) and codes e2m1(h / (SF / enc)), both in the 128x4-swizzled layout.
-The `dequantize` variant (for the wgmma GEMM2, which reads bf16) writes code * SF back over h instead.
+of 16 then gets SF = e4m3(enc * amax/6) and codes e2m1(h / (SF / enc)), and code * SF is written back over h:
+both GEMM2s read the FC2 input as bf16, and multiply by pts2 in their epilogue.
 """
 from __future__ import annotations
 
@@ -13,16 +13,15 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 
 from . import ptx, quantize
-from .fp4 import swizzled_sf_offset
 
 THREADS = 128
 FLT_MAX = 3.4028234663852886e38
 
 
-def make_fc2_quant(dequantize: bool):
+def make_fc2_quant():
     @cute.kernel
     def fc2_quant_kernel(h: cute.Tensor, permuted_to_expanded: cute.Tensor, fc2_input_scale: cute.Tensor,
-                         out_q: cute.Tensor, out_sf: cute.Tensor, row_scale: cute.Tensor, inter: Int32):
+                         row_scale: cute.Tensor, inter: Int32):
         tid, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         lane = cute.arch.lane_idx()
@@ -30,7 +29,6 @@ def make_fc2_quant(dequantize: bool):
         smem = cutlass.utils.SmemAllocator()
         partial = smem.allocate_tensor(Float32, cute.make_layout(THREADS // 32), byte_alignment=16)
         cute.arch.griddepcontrol_wait()
-        rows = cute.size(permuted_to_expanded)
         if permuted_to_expanded[row] >= 0:
             amax = Float32(0.0)
             for col in cutlass.range(tid, inter, THREADS):
@@ -50,30 +48,24 @@ def make_fc2_quant(dequantize: bool):
                 row_scale[row] = pts2
             for blk in cutlass.range(tid, inter // 16, THREADS):
                 values = [Float32(h[row * inter + blk * 16 + i]) for i in range(16)]
-                if cutlass.const_expr(dequantize):
-                    ptx.write_words(h.iterator.toint() + (Int64(row) * Int64(inter) + Int64(blk * 16)) * Int64(2),
-                                    quantize.dequantized_nvfp4_per_token(values, enc))
-                else:
-                    quantize.store_nvfp4_per_token(values, enc, out_q, row * (inter // 2) + blk * 8, out_sf,
-                                                   swizzled_sf_offset(0, row, blk, rows, inter // 16))
+                ptx.write_words(h.iterator.toint() + (Int64(row) * Int64(inter) + Int64(blk * 16)) * Int64(2),
+                                quantize.dequantized_nvfp4_per_token(values, enc))
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def launch_fc2_quant(h: cute.Tensor, permuted_to_expanded: cute.Tensor, fc2_input_scale: cute.Tensor,
-                         out_q: cute.Tensor, out_sf: cute.Tensor, row_scale: cute.Tensor, inter: Int32,
-                         pdl: cutlass.Boolean, stream: cuda.CUstream):
-        fc2_quant_kernel(h, permuted_to_expanded, fc2_input_scale, out_q, out_sf, row_scale, inter).launch(
+                         row_scale: cute.Tensor, inter: Int32, pdl: cutlass.Boolean, stream: cuda.CUstream):
+        fc2_quant_kernel(h, permuted_to_expanded, fc2_input_scale, row_scale, inter).launch(
             grid=(cute.size(permuted_to_expanded), 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=pdl)
 
     return launch_fc2_quant
 
 
-def compile_fc2_quant(options: str, dequantize: bool = False):
+def compile_fc2_quant(options: str):
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     def vector(dtype, align=4):
         return make_fake_compact_tensor(dtype, (cute.sym_int(),), assumed_align=align)
 
-    return cute.compile(make_fc2_quant(dequantize), vector(BFloat16, 16), vector(Int32), vector(Float32),
-                        vector(cutlass.Uint8, 16), vector(cutlass.Uint8), vector(Float32), Int32(128),
-                        cutlass.Boolean(True), cuda.CUstream(0), options=options)
+    return cute.compile(make_fc2_quant(), vector(BFloat16, 16), vector(Int32), vector(Float32), vector(Float32),
+                        Int32(128), cutlass.Boolean(True), cuda.CUstream(0), options=options)

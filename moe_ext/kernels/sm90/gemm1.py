@@ -4,16 +4,19 @@ Grid (max tiles, N1 / 128, K split): CTA (m, n, r) takes routing tile m (one loc
 rows), weight rows [128n, 128n + 128) and K range r of its cluster, through the streaming mainloop (stream.py);
 tiles past the device-side live count exit, so the grid depends only on T. N1 is the weight rows of this launch
 (2I, or I for a localized shard); its intermediate columns start at `col_offset` of rows `inter` (= I) wide.
-Token rows are gathered through permuted_to_expanded (token = expanded // top_k) straight from x: the permuted
-copy is never materialised. With the 64-row up/gate interleave, a 128-row weight tile yields intermediate columns
-[64n, 64n + 64): up in accumulator columns 0..63, gate in 64..127.
+Token rows are gathered through permuted_to_expanded (token = expanded // top_k) straight from the bf16 x: the
+permuted copy is never materialised. With the 64-row up/gate interleave, a 128-row weight tile yields intermediate
+columns [64n, 64n + 64): up in accumulator columns 0..63, gate in 64..127.
 
-Modes (a compile-time choice; operands decode exactly to bf16, semantics §2.1):
-  w4a16    x bf16,                 w1 NVFP4 (e4m3 per 16) -> FC2 input bf16
-  w4a4     x NVFP4 (linear e4m3),  w1 NVFP4                -> FC2 input NVFP4, per-tensor scale (§2.4a)
-  w4a4_pt  like w4a4, accumulator also times per_token_scale -> FC2 input bf16 (the per-token kernel quantizes it)
-  w4a8     x MXFP8 (linear ue8m0), w1 MXFP4 (ue8m0 per 32) -> FC2 input MXFP8 (§2.4c)
-Every tensor is flat and the kernel takes all of them; a mode ignores the ones it does not use (1-element dummies).
+The activations always arrive as bf16 `x_bf16`: in w4a4 / w4a8 the routing launch decoded them exactly (routing.py),
+once per forward, where staging them here would decode every row again in each of an expert's N tiles. The FC2
+input goes to `out_bf16` as bf16 in every mode, the same as gemm1_wgmma.py's (a compile-time mode):
+  w4a16    w1 NVFP4 (e4m3 per 16)  -> h
+  w4a4     w1 NVFP4                -> h quantized to NVFP4 with the per-tensor scale (§2.4a) and decoded again
+  w4a4_pt  like w4a4, accumulator also times per_token_scale -> h (the per-token kernel quantizes it)
+  w4a8     w1 MXFP4 (ue8m0 per 32) -> h quantized to MXFP8 (§2.4c) and decoded again
+Every tensor is flat and the kernel takes all of them (the wgmma GEMM1's list); this one ignores `x_q`, `x_sf`,
+`out_q` and `out_sf` (1-element dummies).
 """
 from __future__ import annotations
 
@@ -24,7 +27,6 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from . import activations, ptx, quantize
 from . import stream as streaming
-from .fp4 import swizzled_sf_offset
 
 MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 
@@ -33,10 +35,7 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
     """cfg: the mainloop's configuration (default stream.config_for(tokens, 1); benchmarks/stream_variants.py
     times others)."""
     gated = kind != "relu2"
-    a_format = {"w4a16": "bf16", "w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}[mode]
     b_block = 32 if mode == "w4a8" else 16
-    a_block = 32 if a_format == "mxfp8" else 16  # activation scale block (NVFP4 16, MXFP8 32)
-    out_format = {"w4a16": "bf16", "w4a4": "nvfp4", "w4a4_pt": "bf16", "w4a8": "mxfp8"}[mode]
     cfg = cfg or streaming.config_for(tokens, 1)
 
     @cute.kernel
@@ -62,10 +61,7 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
                 valid = (row0 + r < limit) & (kk < k_end)
                 token = ptx.divide_by_magic(permuted_to_expanded[cute.math.min(row0 + r, limit - 1)], by_top_k)
                 kk = cute.math.min(kk, hidden - 8)
-                values = streaming.token_group(
-                    a_format, x_bf16, x_q, Int64(token) * Int64(hidden) + Int64(kk),
-                    lambda: x_sf[token * (hidden // a_block) + kk // a_block])
-                return values, valid
+                return streaming.token_group(x_bf16, Int64(token) * Int64(hidden) + Int64(kk)), valid
 
             streaming.accumulate(sm, tid, w1_sf, w1_tma_atom, w1_tma, expert, n_tile * cfg.rows, n1, hidden, rank,
                                  k_split, limit - row0, tokens, cfg, b_block, load_group)
@@ -92,22 +88,19 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
                     else:
                         h = activations.apply(kind, None, s_c[a_row, c] * s1, (p0, p1, p2, p3))
                     values.append(h)
-                if cutlass.const_expr(out_format == "bf16"):
-                    for i in cutlass.range_constexpr(per_thread):
-                        out_bf16[row * inter + col0 + i] = values[i].to(BFloat16)
-                elif cutlass.const_expr(out_format == "nvfp4"):
-                    all_rows = cute.size(permuted_to_expanded)
+                out_addr = out_bf16.iterator.toint() + (Int64(row) * Int64(inter) + Int64(col0)) * Int64(2)
+                if cutlass.const_expr(mode == "w4a4"):
                     gs2 = fc2_input_scale[0]
                     for blk in cutlass.range_constexpr(per_thread // 16):
-                        quantize.store_nvfp4_per_tensor(
-                            values[blk * 16:(blk + 1) * 16], gs2, out_q, row * (inter // 2) + (col0 + blk * 16) // 2,
-                            out_sf, swizzled_sf_offset(0, row, col0 // 16 + blk, all_rows, inter // 16))
-                else:
-                    all_rows = cute.size(permuted_to_expanded)
+                        ptx.write_words(out_addr + Int64(32 * blk),
+                                        quantize.dequantized_nvfp4_per_tensor(values[blk * 16:(blk + 1) * 16], gs2))
+                elif cutlass.const_expr(mode == "w4a8"):
                     for blk in cutlass.range_constexpr(per_thread // 32):
-                        quantize.store_mxfp8(values[blk * 32:(blk + 1) * 32], out_q, row * inter + col0 + blk * 32,
-                                             out_sf, swizzled_sf_offset(0, row, col0 // 32 + blk, all_rows,
-                                                                        inter // 32))
+                        ptx.write_words(out_addr + Int64(64 * blk),
+                                        quantize.dequantized_mxfp8(values[blk * 32:(blk + 1) * 32]))
+                else:
+                    for i in cutlass.range_constexpr(per_thread):
+                        out_bf16[row * inter + col0 + i] = values[i].to(BFloat16)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit

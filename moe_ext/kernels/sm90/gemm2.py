@@ -9,8 +9,9 @@ Each valid permuted row p (expanded index s = t*K + k) forms y = bf16(scale * ac
                  combines the K slots of each token in a fixed order.
 pts2 is the per-token FC2 row scale (w4a4_pt) or 1.
 
-Modes: the FC2 input is bf16 (w4a16), NVFP4 with swizzled e4m3 scales (w4a4, w4a4_pt) or MXFP8 with swizzled ue8m0
-scales (w4a8); w2 is NVFP4, or MXFP4 for w4a8. The kernel takes every tensor; a mode ignores the ones it does not use.
+The FC2 input is bf16 in every mode: in w4a4 / w4a8 GEMM1 (or, w4a4_pt, the per-token kernel) stored its
+quantization decoded, so w4a4 runs the w4a16 kernel. Modes: w2 NVFP4 (w4a16), NVFP4 with per-row FC2 scales
+(w4a4_pt), MXFP4 (w4a8). The kernel takes every tensor (gemm2_wgmma's list) and ignores `a_q` and `a_sf`.
 """
 from __future__ import annotations
 
@@ -21,9 +22,8 @@ from cutlass import BFloat16, Float32, Int32, Int64
 
 from . import ptx
 from . import stream as streaming
-from .fp4 import swizzled_sf_offset
 
-MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
+MODES = ("w4a16", "w4a4_pt", "w4a8")  # w4a4 runs the w4a16 kernel
 
 
 @cute.jit
@@ -44,9 +44,7 @@ def output_row_and_scale(per_token: cutlass.Constexpr, fused: cutlass.Boolean, s
 
 def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = None):
     """cfg: as in gemm1.make_kernel."""
-    a_format = {"w4a16": "bf16", "w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}[mode]
     b_block = 32 if mode == "w4a8" else 16
-    a_block = 32 if a_format == "mxfp8" else 16  # activation scale block (NVFP4 16, MXFP8 32)
     cfg = cfg or streaming.config_for(tokens, 2)
     cols_per_thread = cfg.rows * tokens // cfg.threads  # epilogue: output columns per thread
 
@@ -64,18 +62,14 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
             expert = tile_to_expert[tile]
             limit = tile_to_mn_limit[tile]
             row0 = tile * tokens
-            all_rows = cute.size(permuted_to_expanded)
             sm = streaming.allocate(tokens, cfg)
 
             def load_group(r, kk, k_end):
-                """8 values of FC2-input row row0 + r at K = kk, decoded."""
+                """8 values of FC2-input row row0 + r at K = kk."""
                 valid = (row0 + r < limit) & (kk < k_end)
                 row = cute.math.min(row0 + r, limit - 1)
                 kk = cute.math.min(kk, inter - 8)
-                values = streaming.token_group(
-                    a_format, a_bf16, a_q, Int64(row) * Int64(inter) + Int64(kk),
-                    lambda: a_sf[swizzled_sf_offset(0, row, kk // a_block, all_rows, inter // a_block)])
-                return values, valid
+                return streaming.token_group(a_bf16, Int64(row) * Int64(inter) + Int64(kk)), valid
 
             streaming.accumulate(sm, tid, w2_sf, w2_tma_atom, w2_tma, expert, n_tile * cfg.rows, hidden, inter, rank,
                                  k_split, limit - row0, tokens, cfg, b_block, load_group)

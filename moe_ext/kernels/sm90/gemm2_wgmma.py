@@ -26,7 +26,7 @@ from cutlass import Float32, Int32, Int64
 from . import gemm1_wgmma, gemm2, ptx
 from . import wgmma_mainloop as mainloop
 
-MODES = ("w4a16", "w4a4_pt", "w4a8")  # w4a4 runs the w4a16 kernel (launcher._WGMMA_GEMM2_MODE)
+MODES = ("w4a16", "w4a4_pt", "w4a8")  # w4a4 runs the w4a16 kernel (launcher._GEMM2_MODE)
 
 
 def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):

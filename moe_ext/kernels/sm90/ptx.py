@@ -1,7 +1,7 @@
 """The few PTX instructions the GEMMs need that CuTe-DSL does not expose as plain calls on registers:
 asynchronous copies into shared memory (16-byte cp.async for the wgmma mainloop, bulk copies for the streaming
-ring's scales), 128-bit shared loads and stores, the bf16 tensor-core MMA on registers, and the e2m1 -> bf16
-decode. Each is a small inline-asm wrapper on 32-bit registers (bf16x2 pairs travel as Int32).
+ring's scales), 128-bit shared loads and stores, the bf16 tensor-core MMA on registers, the e2m1 -> bf16
+decode and the e4m3 rounding. Each is a small inline-asm wrapper on 32-bit registers (bf16x2 pairs travel as Int32).
 """
 from __future__ import annotations
 
@@ -160,6 +160,15 @@ def mul_bf16x2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
 def pack_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
     """(lo, hi) fp32 -> one bf16x2 register, round to nearest even (exact for values bf16 can hold)."""
     return Int32(_asm(1, [Float32(hi), Float32(lo)], "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f"))
+
+
+@dsl_user_op
+def e4m3_rounded_pair(a: Float32, b: Float32, *, loc=None, ip=None) -> list:
+    """(a, b) rounded to the e4m3fn grid, RN-even, saturating to 448, as fp32: the hardware's encode to an e4m3x2
+    pair and its exact decode through f16x2 (every e4m3 value is an f16 normal or subnormal)."""
+    text = ("{ .reg .b16 q, lo, hi; .reg .b32 h; cvt.rn.satfinite.e4m3x2.f32 q, $3, $2; "
+            "cvt.rn.f16x2.e4m3x2 h, q; mov.b32 {lo, hi}, h; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }")
+    return [Float32(v) for v in _asm(2, [Float32(a), Float32(b)], text, "=f,=f,f,f", result_type=T.f32())]
 
 
 # bf16 2^126, in both halves: the decoded e2m1 bit pattern below is the value times 2^-126.

@@ -1,10 +1,9 @@
 """FC2-input quantizers of the GEMM1 epilogue and the per-token kernel (semantics §2.4), on fp32 registers.
 
-Straight-line helpers, inlined at trace time: each takes one block of fp32 values as a Python list. The `store_*`
-ones store its packed codes and its scale byte; the scale goes to the 128x4-swizzled layout of the intermediate
-(one group, rows = all permuted rows), which the streaming GEMM2 reads back. The `dequantized_*` ones return the
-same quantization decoded again, code * scale as bf16x2 words in order (exact: an e2m1 or e4m3 code times its
-scale has at most 6 significant bits), which the wgmma GEMM2 reads as its bf16 A operand.
+Straight-line helpers, inlined at trace time: each takes one block of fp32 values as a Python list and returns its
+quantization decoded again, code * scale as bf16x2 words in order (exact: an e2m1 or e4m3 code times its scale has
+at most 6 significant bits), which both GEMM2s read as their bf16 A operand. The codes and scales themselves are
+never stored: nothing downstream reads them.
 """
 from __future__ import annotations
 
@@ -25,13 +24,6 @@ def _amax(values):
     return amax
 
 
-def _store_e2m1_pairs(values, mult, out_q, q_index):
-    for j in range(len(values) // 2):
-        lo = e2m1_code(values[2 * j] * mult)
-        hi = e2m1_code(values[2 * j + 1] * mult)
-        out_q[q_index + j] = cutlass.Uint8(lo | (hi << 4))
-
-
 def _dequantized_e2m1(values, mult, sf) -> list:
     """bf16x2 words of e2m1(h * mult) * SF for 8k values, in order."""
     s2 = ptx.pack_bf16x2(e4m3_to_f32(sf), e4m3_to_f32(sf))
@@ -50,15 +42,8 @@ def _nvfp4_per_tensor_scale(values, gs2: Float32):
     return sf, cute.math.min(gs2 * cute.arch.rcp_approx(e4m3_to_f32(sf)), Float32(FLT_MAX))
 
 
-def store_nvfp4_per_tensor(values, gs2: Float32, out_q, q_index, out_sf, sf_index):
-    """16 values: q = e2m1(h * mult) with the per-tensor SF (semantics §2.4a)."""
-    sf, mult = _nvfp4_per_tensor_scale(values, gs2)
-    out_sf[sf_index] = cutlass.Uint8(sf)
-    _store_e2m1_pairs(values, mult, out_q, q_index)
-
-
 def dequantized_nvfp4_per_tensor(values, gs2: Float32) -> list:
-    """16 values -> 8 bf16x2 words: the NVFP4 per-tensor quantization of store_nvfp4_per_tensor, decoded."""
+    """16 values -> 8 bf16x2 words: their NVFP4 quantization with the per-tensor scale gs2, decoded."""
     sf, mult = _nvfp4_per_tensor_scale(values, gs2)
     return _dequantized_e2m1(values, mult, sf)
 
@@ -69,12 +54,6 @@ def _nvfp4_per_token_scale(values, enc: Float32):
     sf_value = e4m3_to_f32(sf)
     mult = cute.arch.rcp_approx(sf_value * cute.arch.rcp_approx(enc))
     return sf, Float32(cutlass.select_(sf_value == Float32(0.0), Float32(0.0), mult))
-
-
-def store_nvfp4_per_token(values, enc: Float32, out_q, q_index, out_sf, sf_index):
-    sf, mult = _nvfp4_per_token_scale(values, enc)
-    out_sf[sf_index] = cutlass.Uint8(sf)
-    _store_e2m1_pairs(values, mult, out_q, q_index)
 
 
 def dequantized_nvfp4_per_token(values, enc: Float32) -> list:
@@ -88,20 +67,15 @@ def _mxfp8_scale(values):
     return code, ue8m0_reciprocal(code)
 
 
-def store_mxfp8(values, out_q, q_index, out_sf, sf_index):
-    """32 values: q = e4m3(h * 2^(127-code))."""
-    code, inv = _mxfp8_scale(values)
-    out_sf[sf_index] = cutlass.Uint8(code)
-    for j in range(len(values)):
-        out_q[q_index + j] = cutlass.Uint8(e4m3_code(values[j] * inv))
-
-
 def dequantized_mxfp8(values) -> list:
-    """32 values -> 16 bf16x2 words: e4m3(h * 2^(127-code)) * 2^(code-127), store_mxfp8's quantization decoded
-    (exact in bf16 while the product is an fp32 normal)."""
+    """32 values -> 16 bf16x2 words: their MXFP8 quantization e4m3(h * 2^(127-code)), decoded as that code times
+    2^(code-127) (exact in bf16 while the product is an fp32 normal)."""
     code, inv = _mxfp8_scale(values)
     scale = ue8m0_to_f32(code)
-    decoded = [e4m3_to_f32(e4m3_code(v * inv)) * scale for v in values]
-    return [ptx.pack_bf16x2(decoded[2 * j], decoded[2 * j + 1]) for j in range(len(values) // 2)]
+    words = []
+    for j in range(len(values) // 2):
+        lo, hi = ptx.e4m3_rounded_pair(values[2 * j] * inv, values[2 * j + 1] * inv)
+        words.append(ptx.pack_bf16x2(lo * scale, hi * scale))
+    return words
 
 

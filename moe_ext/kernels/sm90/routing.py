@@ -7,11 +7,11 @@ The expert count, offset and tile size are runtime values and every size is read
 compiled kernel serves every layer and a captured launch serves any routing. The order of rows inside an expert
 follows the atomics and is not fixed; every result indexed by slot is independent of it.
 
-For the wgmma GEMMs of the quantized modes the same launch also decodes the activations (NVFP4 or MXFP8, linear
-scales) to bf16 (`moe_routing_decode_{format}`): CTA 0 routes, CTAs 1.. decode 16 values a thread, on the SMs the
-routing CTA leaves idle, so a forward gains no kernel node. The decode is exact: an e2m1 code times its e4m3
-scale, or an e4m3 code times its ue8m0 scale, has at most 6 significant bits (the MXFP8 product flushes to zero
-below fp32's normal range, as in the streaming GEMM1).
+In the quantized modes the same launch also decodes the activations (NVFP4 or MXFP8, linear scales) to bf16
+(`moe_routing_decode_{format}`), once a forward, for GEMM1 of either family: CTA 0 routes, CTAs 1.. decode 16 values
+a thread, on the SMs the routing CTA leaves idle, so a forward gains no kernel node. The decode is exact: an e2m1
+code times its e4m3 scale, or an e4m3 code times its ue8m0 scale, has at most 6 significant bits (the MXFP8
+product flushes to zero below fp32's normal range).
 """
 from __future__ import annotations
 
@@ -160,7 +160,7 @@ def decode_values(x_format: str, x_q: cute.Tensor, x_sf: cute.Tensor, x_out: cut
 
 def make_routing_decode(x_format: str):
     """The routing launch that also decodes the activations: CTA 0 routes, CTA c > 0 decodes values
-    [16 * 1024 (c - 1), 16 * 1024 c). x_out (bf16, T * H) is the wgmma GEMM1's x."""
+    [16 * 1024 (c - 1), 16 * 1024 c). x_out (bf16, T * H) is GEMM1's x."""
     if x_format not in DECODE_FORMATS:
         raise ValueError(f"x_format must be one of {DECODE_FORMATS}, got {x_format}")
 

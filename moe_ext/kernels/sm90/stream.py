@@ -152,7 +152,6 @@ TOKEN_TILES = (8, 16, 32, 64, 128)  # the routing tiles the kernels are compiled
 THREE_CTA_TILES = (8, 32)  # tiles also compiled in a three-CTAs-an-SM form (config_for's three_ctas)
 
 BF16X2_2P63 = 0x5F005F00  # bf16 2^63 in both halves
-BF16X2_2P120 = 0x7B807B80
 TWO_P63 = 9.223372036854775808e18
 
 
@@ -347,35 +346,10 @@ def bf16x8_to_tile(u: list) -> list:
     return [ptx.mul_bf16x2(v, Int32(BF16X2_2P63)) for v in permute_bf16x8(u)]
 
 
-def nvfp4x8_to_tile(word: Int32, scale: Float32) -> list:
-    """8 packed e2m1 codes times their e4m3 block scale, times 2^63, in tile order."""
-    s2 = ptx.pack_bf16x2(scale * Float32(TWO_P63), scale * Float32(TWO_P63))
-    return [ptx.mul_bf16x2(v, s2) for v in ptx.e2m1x8_to_bf16x2(word, Int32(ptx.BF16X2_2P126))]
-
-
-def mxfp8x8_to_tile(lo: Int32, hi: Int32, scale: Float32) -> list:
-    """8 e4m3 bytes (x0..x3 in lo, x4..x7 in hi) times their ue8m0 scale, times 2^63, in tile order. The 7 value
-    bits placed at bf16 bits 4..10 read as x * 2^-120 (subnormals included); two exact multiplies finish it."""
-    s2 = ptx.pack_bf16x2(scale * Float32(TWO_P63), scale * Float32(TWO_P63))
-    out = []
-    for p in range(4):
-        u = ptx.prmt(lo, hi, ((4 + p) << 8) | p)  # byte 0 = x_p, byte 2 = x_{p+4}
-        bits = ((u & Int32(0x007F007F)) << 4) | ((u & Int32(0x00800080)) << 8)
-        out.append(ptx.mul_bf16x2(ptx.mul_bf16x2(bits, Int32(BF16X2_2P120)), s2))
-    return out
-
-
-def token_group(a_format: str, values_bf16: cute.Tensor, values_q: cute.Tensor, offset: Int64, scale_byte) -> list:
-    """The 8 activation values starting at element `offset` of a row-major token matrix, in tile order: bf16
-    (w4a16), NVFP4 (packed e2m1 and its e4m3 block scale) or MXFP8 (e4m3 bytes and their ue8m0 block scale);
-    `scale_byte()` loads the block's scale byte (the layouts differ between the GEMMs)."""
-    if a_format == "bf16":
-        return bf16x8_to_tile(ptx.ld_global_v4(values_bf16.iterator.toint() + offset * 2))
-    if a_format == "nvfp4":
-        word = ptx.ld_global_b32(values_q.iterator.toint() + offset // 2)
-        return nvfp4x8_to_tile(word, e4m3_to_f32(Int32(scale_byte())))
-    lo_hi = ptx.ld_global_v2(values_q.iterator.toint() + offset)
-    return mxfp8x8_to_tile(lo_hi[0], lo_hi[1], ue8m0_to_f32(Int32(scale_byte())))
+def token_group(values_bf16: cute.Tensor, offset: Int64) -> list:
+    """The 8 bf16 activation values starting at element `offset` of a row-major token matrix, in tile order (the
+    quantized modes' activations arrive decoded: gemm1.py)."""
+    return bf16x8_to_tile(ptx.ld_global_v4(values_bf16.iterator.toint() + offset * 2))
 
 
 def store_chunk(sm: Smem, row, chunk, values: list, valid, tokens: int, c: StreamConfig) -> None:
@@ -484,6 +458,19 @@ def narrowest_mainloop(loop_args: tuple, live_rows, widths: cutlass.Constexpr):
             narrowest_mainloop(loop_args, live_rows, widths[half:])
 
 
+def staging_position(tid, m: int, threads: int, per_row: int):
+    """(token row, 8-value chunk) of staging task tid + m * threads over rows of `per_row` chunks. Where threads
+    and rows divide evenly the task's constant part is split at trace time: each thread's shared addresses then
+    differ by immediate offsets instead of holding one register per task (under three CTAs' 80-register cap the
+    32-token tile's 8 addresses spilled one)."""
+    if threads % per_row == 0:
+        return tid // per_row + m * (threads // per_row), tid % per_row
+    if per_row % threads == 0:
+        return (m * threads) // per_row, tid + (m * threads) % per_row
+    task = tid + m * threads
+    return task // per_row, task % per_row
+
+
 @cute.jit
 def stage_tokens(sm, tid, first, k_run, k_end, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr,
                  load_group: cutlass.Constexpr, live: cutlass.Constexpr):
@@ -494,9 +481,7 @@ def stage_tokens(sm, tid, first, k_run, k_end, tokens: cutlass.Constexpr, cfg: c
         ptx.wgmma_wait(0)  # the last steps' wgmmas still read the tile this staging overwrites
     cute.arch.sync_threads()
     for m in cutlass.range_constexpr(chunk_tasks(tokens, cfg, live)):
-        task = tid + m * cfg.threads
-        r = task // (chunk // 8)
-        c = task % (chunk // 8)
+        r, c = staging_position(tid, m, cfg.threads, chunk // 8)
         values, valid = load_group(r, first * cfg.k_step + k_run + c * 8, k_end)
         store_chunk(sm, r, c, values, valid, tokens, cfg)
     if cutlass.const_expr(cfg.mma != "sync"):
