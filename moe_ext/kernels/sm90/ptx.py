@@ -29,12 +29,6 @@ def cp_async_16(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> Non
 
 
 @dsl_user_op
-def cp_async_4(smem_addr: Int32, gmem_addr: Int64, *, loc=None, ip=None) -> None:
-    _asm(0, [Int32(smem_addr), Int64(gmem_addr)], "cp.async.ca.shared.global [$0], [$1], 4;", "r,l,~{memory}",
-         side_effects=True)
-
-
-@dsl_user_op
 def cp_async_bulk(dst: Int32, src: Int64, nbytes: Int32, bar: Int32, *, loc=None, ip=None) -> None:
     """`nbytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared through the copy engine; the
     bytes are counted on mbarrier `bar` (complete_tx) when they land."""
@@ -115,11 +109,6 @@ def st_global_b32(addr: Int64, value: Int32, *, loc=None, ip=None) -> None:
 def ld_global_v2(addr: Int64, *, loc=None, ip=None) -> list:
     values = _asm(2, [Int64(addr)], "ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l")
     return [Int32(v) for v in values]
-
-
-@dsl_user_op
-def ld_global_b32(addr: Int64, *, loc=None, ip=None) -> Int32:
-    return Int32(_asm(1, [Int64(addr)], "ld.global.nc.b32 $0, [$1];", "=r,l"))
 
 
 @dsl_user_op
