@@ -134,13 +134,13 @@ def compile_pair(cfg: tuple, tile: int):
     options = "--gpu-arch sm_90a --enable-tvm-ffi"
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     g1 = cute.compile(
-        gemm1.make_kernel("w4a16", "swiglu", tile, cfg[0]), vector(BFloat16, 16), vector(u8, 16), vector(u8),
-        vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32), vector(Int32), vector(Int32),
-        vector(Int32), vector(Int32), vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32),
+        gemm1.make_kernel("w4a16", "swiglu", tile, cfg[0]), vector(BFloat16, 16), vector(Float32),
+        vector(u8, 16), vector(u8, 16), vector(Float32), vector(Int32), vector(Int32),
+        vector(Int32), vector(Int32), vector(BFloat16, 16), vector(Float32),
         Int32(128), Int32(256), Int32(128), Int32(0), Int32(1), Float32(0), Float32(0), Float32(0), Float32(0),
         Int32(1), cutlass.Boolean(False), stream, options=options)
     g2 = cute.compile(
-        gemm2.make_kernel("w4a16", tile, cfg[1]), vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32),
+        gemm2.make_kernel("w4a16", tile, cfg[1]), vector(BFloat16, 16), vector(Float32),
         vector(u8, 16), vector(u8, 16), vector(Float32), vector(Float32), vector(Int32), vector(Int32),
         vector(Int32), vector(Int32), vector(BFloat16, 16), Int32(128), Int32(128), Int32(128), Int32(0), Int32(1),
         cutlass.Boolean(False), Int32(1), cutlass.Boolean(False), stream, options=options)
@@ -209,15 +209,15 @@ def run_gemm1(fn, layer: Layer, i: int, dummies: dict, pdl: bool = False):
     from moe_ext.activation import Activation
 
     r = layer.routings[i]
-    fn(layer.x.reshape(-1), dummies["u8"], dummies["u8"], dummies["f32"], flat(layer.w1), layer.w1_sf, layer.alpha,
+    fn(layer.x.reshape(-1), dummies["f32"], flat(layer.w1), layer.w1_sf, layer.alpha,
        r.permuted_to_expanded, r.tile_to_expert, r.tile_to_mn_limit, r.num_live_tiles, layer.inters[i],
-       dummies["u8"], dummies["u8"], dummies["f32"], layer.hidden, 2 * layer.inter, layer.inter, 0, layer.top_k,
+       dummies["f32"], layer.hidden, 2 * layer.inter, layer.inter, 0, layer.top_k,
        *launcher.activation_params(Activation("swiglu")), layer.splits[0], pdl)
 
 
 def run_gemm2(fn, layer: Layer, i: int, dummies: dict, pdl: bool = False):
     r = layer.routings[i]
-    fn(layer.inters[i], dummies["u8"], dummies["u8"], dummies["f32"], flat(layer.w2), layer.w2_sf, layer.alpha,
+    fn(layer.inters[i], dummies["f32"], flat(layer.w2), layer.w2_sf, layer.alpha,
        layer.scales, r.permuted_to_expanded, r.tile_to_expert, r.tile_to_mn_limit, r.num_live_tiles,
        layer.slots[i], layer.hidden, layer.inter, layer.hidden, 0, layer.top_k, False, layer.splits[1], pdl)
 
@@ -275,8 +275,7 @@ def main():
     from moe_ext.kernels.sm90 import stream as streaming
 
     tile = args.tile
-    dummies = {"u8": torch.zeros(16, dtype=torch.uint8, device="cuda"),
-               "f32": torch.zeros(4, dtype=torch.float32, device="cuda")}
+    dummies = {"f32": torch.zeros(4, dtype=torch.float32, device="cuda")}
     layers = [make_layer(name, args.tokens, tile, args.rotations, seed=7, split_factor=args.split_factor)
               for name in args.shapes.split(",")]
     rev = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"], capture_output=True,

@@ -494,21 +494,17 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
                          f"{routing.tile_size}")
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
     dummy = _dummies(device)
-    if problem.quant_mode == "w4a16":
-        x_bf16, x_q, x_sf = _check("x", problem.x, bf16, device, T * H, 16), dummy[u8], dummy[u8]
-    else:
-        x_bytes = problem.x.view(u8)
-        x_bf16 = dummy[bf16]
-        x_q = _check("x", x_bytes, u8, device, T * H // (2 if problem.quant_mode == "w4a4" else 1), 16)
-        x_sf = _check("x_sf", problem.x_sf, u8, device, T * H // block)
     rows = routing.permuted_to_expanded.numel()
     sizes = KernelBuffers.sizes(problem.quant_mode, rows, I, T, K, H)
     buf = {name: _check(name, getattr(buffers, name)[:n], getattr(buffers, name).dtype, device, n, 16) if n
            else dummy[getattr(buffers, name).dtype] for name, n in sizes.items()}
     decode = None
-    if mode != "w4a16":  # the routing launch decodes x, once, for GEMM1
-        decode = (X_FORMAT[mode], x_q, x_sf, buf["x_decoded"])
+    if problem.quant_mode == "w4a16":
+        x_bf16 = _check("x", problem.x, bf16, device, T * H, 16)
+    else:  # the routing launch decodes x, once, for GEMM1
+        x_q = _check("x", problem.x.view(u8), u8, device, T * H // (2 if problem.quant_mode == "w4a4" else 1), 16)
         x_bf16 = buf["x_decoded"]
+        decode = (X_FORMAT[mode], x_q, _check("x_sf", problem.x_sf, u8, device, T * H // block), x_bf16)
     route(problem.token_selected_experts, E, problem.local_expert_offset, routing, enable_pdl, decode=decode)
     maps = [routing.permuted_to_expanded, routing.tile_to_expert, routing.tile_to_mn_limit, routing.num_live_tiles]
     fc2_scale = problem.fc2_input_scale if problem.fc2_input_scale is not None else dummy[f32]
@@ -531,16 +527,16 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     def gemm1(d: int) -> None:
         w = parts[d]
         launch(gemm1_kernel(mode, problem.activation.kind, tile, k_splits[0]), [
-            x_bf16, x_q, x_sf, pts,
+            x_bf16, pts,
             _weight_view(_check("w1_weight", w.w1, u8, device, E * n1 * H // 2, 16)),
             _check("w1_weight_sf", w.w1_sf_bytes(), u8, device, swizzled_size(E, n1, H // block), 16),
-            w1_alpha, *maps, buf["intermediate_bf16"], dummy[u8], dummy[u8], fc2_scale,
+            w1_alpha, *maps, buf["intermediate_bf16"], fc2_scale,
         ], [H, n1, I, d * inter_part, K, *act, max(1, k_splits[0])], enable_pdl, device)
 
     def gemm2(d: int) -> None:
         w = parts[d]
         launch(gemm2_kernel(mode, tile, k_splits[1]), [
-            buf["intermediate_bf16"], dummy[u8], dummy[u8], buf["row_scale"],
+            buf["intermediate_bf16"], buf["row_scale"],
             _weight_view(_check("w2_weight", w.w2, u8, device, E * h_part * I // 2, 16)),
             _check("w2_weight_sf", w.w2_sf_bytes(), u8, device, swizzled_size(E, h_part, I // block), 16),
             w2_alpha, scales, *maps, out_flat if fused else buf["slot_output"],

@@ -281,7 +281,7 @@ def test_quantized_modes_decode_x_in_the_routing_launch(monkeypatch, mode, per_t
     decoded = launches[0].buffers[-1]
     assert launches[1].buffers[0] == decoded, "GEMM1 reads the decoded activations"
     assert decoded[1] == 5 * 256  # T * H bf16 values
-    fc2_input = launches[1].buffers[-4]  # GEMM1's out_bf16 (then out_q, out_sf, fc2_input_scale)
+    fc2_input = launches[1].buffers[-2]  # GEMM1's out_bf16 (then fc2_input_scale)
     assert launches[names.index(expected[-1 if fused else -2])].buffers[0] == fc2_input, "GEMM2 reads GEMM1's bf16"
     if family == "wgmma":
         with pytest.raises(ValueError, match="both GEMMs"):

@@ -15,8 +15,7 @@ input goes to `out_bf16` as bf16 in every mode, the same as gemm1_wgmma.py's (a 
   w4a4     w1 NVFP4                -> h quantized to NVFP4 with the per-tensor scale (§2.4a) and decoded again
   w4a4_pt  like w4a4, accumulator also times per_token_scale -> h (the per-token kernel quantizes it)
   w4a8     w1 MXFP4 (ue8m0 per 32) -> h quantized to MXFP8 (§2.4c) and decoded again
-Every tensor is flat and the kernel takes all of them (the wgmma GEMM1's list); this one ignores `x_q`, `x_sf`,
-`out_q` and `out_sf` (1-element dummies).
+Every tensor is flat; the arguments are the wgmma GEMM1's (the launcher picks either by name).
 """
 from __future__ import annotations
 
@@ -38,12 +37,37 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
     b_block = 32 if mode == "w4a8" else 16
     cfg = cfg or streaming.config_for(tokens, 1)
 
+    group = {"w4a4": 16, "w4a8": 32}.get(mode, 8)  # FC2-input values an epilogue thread finishes
+
+    def store_fc2_input(s_c, a_row, c0, row, col0, expert, permuted_to_expanded, top_k, w1_alpha, per_token_scale,
+                        fc2_input_scale, out_bf16, inter, params):
+        """Activation of accumulator columns c0.. (up, and gate half a tile further) of tile row a_row, stored at
+        FC2-input row `row`, column col0: bf16, or in w4a4 / w4a8 its quantization decoded. Traced inline (plain
+        Python: the mode and activation choose the code at trace time)."""
+        s1 = w1_alpha[expert]
+        if mode == "w4a4_pt":
+            s1 = s1 * per_token_scale[permuted_to_expanded[row] // top_k]
+        values = []
+        for i in range(group):
+            if gated:
+                values.append(activations.apply(kind, s_c[a_row, c0 + i] * s1, s_c[a_row, c0 + i + cfg.rows // 2] * s1,
+                                                params))
+            else:
+                values.append(activations.apply(kind, None, s_c[a_row, c0 + i] * s1, params))
+        if mode == "w4a4":
+            words = quantize.dequantized_nvfp4_per_tensor(values, fc2_input_scale[0])
+        elif mode == "w4a8":
+            words = quantize.dequantized_mxfp8(values)
+        else:
+            words = [ptx.pack_bf16x2(values[2 * j], values[2 * j + 1]) for j in range(group // 2)]
+        ptx.write_words(out_bf16.iterator.toint() + (Int64(row) * Int64(inter) + Int64(col0)) * Int64(2), words)
+
     @cute.kernel
-    def gemm1_kernel(x_bf16: cute.Tensor, x_q: cute.Tensor, x_sf: cute.Tensor, per_token_scale: cute.Tensor,
+    def gemm1_kernel(x_bf16: cute.Tensor, per_token_scale: cute.Tensor,
                      w1_sf: cute.Tensor, w1_tma_atom: cute.CopyAtom, w1_tma: cute.Tensor, w1_alpha: cute.Tensor,
                      permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor,
                      tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
-                     out_bf16: cute.Tensor, out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor,
+                     out_bf16: cute.Tensor, fc2_input_scale: cute.Tensor,
                      hidden: Int32, n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32,
                      p1: Float32, p2: Float32, p3: Float32, k_split: Int32):
         tid, _, _ = cute.arch.thread_idx()
@@ -67,52 +91,29 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
                                  k_split, limit - row0, tokens, cfg, b_block, load_group)
             s_c = sm.out
 
-            # Epilogue: thread -> (token row, half of the CTA's output columns); 2 * tokens threads.
-            a_row = tid // 2
-            a_half = tid % 2
-            row = row0 + a_row
-            if rank == 0 and a_row < tokens and row < limit:
-                token = permuted_to_expanded[row] // top_k
-                s1 = w1_alpha[expert]
-                if cutlass.const_expr(mode == "w4a4_pt"):
-                    s1 = s1 * per_token_scale[token]
-                width = cfg.rows // 2 if gated else cfg.rows
-                per_thread = width // 2
-                col0 = col_offset + n_tile * width + a_half * per_thread  # first intermediate column of this thread
-                values = []
-                for i in cutlass.range_constexpr(per_thread):
-                    c = a_half * per_thread + i
-                    if cutlass.const_expr(gated):
-                        h = activations.apply(kind, s_c[a_row, c] * s1, s_c[a_row, c + cfg.rows // 2] * s1,
-                                              (p0, p1, p2, p3))
-                    else:
-                        h = activations.apply(kind, None, s_c[a_row, c] * s1, (p0, p1, p2, p3))
-                    values.append(h)
-                out_addr = out_bf16.iterator.toint() + (Int64(row) * Int64(inter) + Int64(col0)) * Int64(2)
-                if cutlass.const_expr(mode == "w4a4"):
-                    gs2 = fc2_input_scale[0]
-                    for blk in cutlass.range_constexpr(per_thread // 16):
-                        ptx.write_words(out_addr + Int64(32 * blk),
-                                        quantize.dequantized_nvfp4_per_tensor(values[blk * 16:(blk + 1) * 16], gs2))
-                elif cutlass.const_expr(mode == "w4a8"):
-                    for blk in cutlass.range_constexpr(per_thread // 32):
-                        ptx.write_words(out_addr + Int64(64 * blk),
-                                        quantize.dequantized_mxfp8(values[blk * 32:(blk + 1) * 32]))
-                else:
-                    for i in cutlass.range_constexpr(per_thread):
-                        out_bf16[row * inter + col0 + i] = values[i].to(BFloat16)
+            # Epilogue: thread -> (token row, `group` consecutive output columns), every thread of the CTA taking
+            # its share: one scale block in w4a4 / w4a8, a 16-byte store otherwise.
+            width = cfg.rows // 2 if gated else cfg.rows
+            per_row = width // group
+            for m in cutlass.range_constexpr((tokens * per_row + cfg.threads - 1) // cfg.threads):
+                a_row, g = streaming.task_position(tid, m, cfg.threads, per_row)
+                row = row0 + a_row
+                if rank == 0 and a_row < tokens and row < limit:
+                    store_fc2_input(s_c, a_row, g * group, row, col_offset + n_tile * width + g * group, expert,
+                                    permuted_to_expanded, top_k, w1_alpha, per_token_scale, fc2_input_scale, out_bf16,
+                                    inter, (p0, p1, p2, p3))
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def launch(x_bf16: cute.Tensor, x_q: cute.Tensor, x_sf: cute.Tensor, per_token_scale: cute.Tensor,
+    def launch(x_bf16: cute.Tensor, per_token_scale: cute.Tensor,
                w1: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor, permuted_to_expanded: cute.Tensor,
                tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
-               out_bf16: cute.Tensor, out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor,
+               out_bf16: cute.Tensor, fc2_input_scale: cute.Tensor,
                hidden: Int32, n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32, p1: Float32,
                p2: Float32, p3: Float32, k_split: Int32, pdl: cutlass.Boolean, stream: cuda.CUstream):
         w1_tma_atom, w1_tma = streaming.weight_tma(w1, cute.size(w1_alpha), n1, hidden, cfg)
-        gemm1_kernel(x_bf16, x_q, x_sf, per_token_scale, w1_sf, w1_tma_atom, w1_tma, w1_alpha,
-                     permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out_bf16, out_q, out_sf,
+        gemm1_kernel(x_bf16, per_token_scale, w1_sf, w1_tma_atom, w1_tma, w1_alpha,
+                     permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out_bf16,
                      fc2_input_scale, hidden, n1, inter, col_offset, top_k, p0, p1, p2, p3, k_split).launch(
             grid=(cute.size(tile_to_expert), n1 // cfg.rows, k_split), block=(cfg.threads, 1, 1),
             cluster=(1, 1, k_split), stream=stream, use_pdl=pdl, min_blocks_per_mp=cfg.ctas_per_sm,
@@ -134,9 +135,7 @@ def compile_launch(launch, options: str):
 
     u8 = cutlass.Uint8
     return cute.compile(
-        launch, vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32),
-        vector(u8, 16), vector(u8, 16), vector(Float32), vector(Int32), vector(Int32), vector(Int32), vector(Int32),
-        vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32), Int32(128), Int32(256), Int32(128), Int32(0),
-        Int32(1),
-        Float32(0), Float32(0), Float32(0), Float32(0), Int32(1), cutlass.Boolean(True), cuda.CUstream(0),
-        options=options)
+        launch, vector(BFloat16, 16), vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32),
+        vector(Int32), vector(Int32), vector(Int32), vector(Int32), vector(BFloat16, 16), vector(Float32),
+        Int32(128), Int32(256), Int32(128), Int32(0), Int32(1), Float32(0), Float32(0), Float32(0), Float32(0),
+        Int32(1), cutlass.Boolean(True), cuda.CUstream(0), options=options)

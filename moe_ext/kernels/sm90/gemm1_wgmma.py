@@ -1,8 +1,8 @@
 """GEMM1 for large token counts (sm_90a): the warp-specialised wgmma mainloop (wgmma_mainloop.py) over gathered
 bf16 token rows and 4-bit weights, then alpha (x per-token scale) -> activation -> FC2 input.
 
-Same arguments as gemm1.py's kernel (the launcher picks either by name; this one ignores `x_q`, `x_sf`, `out_q`,
-`out_sf` and `k_split`, which must be 1). The activations always arrive as bf16 `x_bf16`: for w4a4 / w4a8 the
+Same arguments as gemm1.py's kernel (the launcher picks either by name; this one ignores `k_split`, which must
+be 1). The activations always arrive as bf16 `x_bf16`: for w4a4 / w4a8 the
 routing kernel decoded them exactly (routing.py). Work items (m, n), live tiles x N1 / 128 of them, spread over
 the persistent CTAs (a fixed grid; the device-side live count sets the items): item (m, n) takes routing tile m
 (128 permuted rows of one local expert) and weight rows [128n, 128n + 128) of this launch's N1 rows. Token rows
@@ -48,11 +48,11 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
     group = _GROUP[mode]
 
     @cute.kernel
-    def gemm1_wgmma_kernel(x_bf16: cute.Tensor, x_q: cute.Tensor, x_sf: cute.Tensor, per_token_scale: cute.Tensor,
+    def gemm1_wgmma_kernel(x_bf16: cute.Tensor, per_token_scale: cute.Tensor,
                            w1_tma_atom: cute.CopyAtom, w1_tma: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor,
                            permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor,
                            tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor, out_bf16: cute.Tensor,
-                           out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor, hidden: Int32,
+                           fc2_input_scale: cute.Tensor, hidden: Int32,
                            n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32, p1: Float32,
                            p2: Float32, p3: Float32, tiled_mma: cute.TiledMma, tok_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
@@ -101,21 +101,19 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def launch(x_bf16: cute.Tensor, x_q: cute.Tensor, x_sf: cute.Tensor, per_token_scale: cute.Tensor,
+    def launch(x_bf16: cute.Tensor, per_token_scale: cute.Tensor,
                w1: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor, permuted_to_expanded: cute.Tensor,
                tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
-               out_bf16: cute.Tensor, out_q: cute.Tensor, out_sf: cute.Tensor, fc2_input_scale: cute.Tensor,
+               out_bf16: cute.Tensor, fc2_input_scale: cute.Tensor,
                hidden: Int32, n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32, p1: Float32,
                p2: Float32, p3: Float32, k_split: Int32, pdl: cutlass.Boolean, stream: cuda.CUstream):
         tiled_mma = mainloop.make_tiled_mma(cfg)
         tok_layout = mainloop.token_layout(cfg)
         storage = mainloop.make_storage(cfg, tok_layout)
         w1_tma_atom, w1_tma = mainloop.raw_weight_tma(cfg, w1, cute.size(w1_alpha), n1, hidden)
-        gemm1_wgmma_kernel(x_bf16, x_q, x_sf, per_token_scale, w1_tma_atom, w1_tma, w1_sf, w1_alpha,
-                           permuted_to_expanded,
-                           tile_to_expert, tile_to_mn_limit, num_live_tiles, out_bf16, out_q, out_sf,
-                           fc2_input_scale, hidden, n1, inter, col_offset, top_k, p0, p1, p2, p3, tiled_mma,
-                           tok_layout).launch(
+        gemm1_wgmma_kernel(x_bf16, per_token_scale, w1_tma_atom, w1_tma, w1_sf, w1_alpha, permuted_to_expanded,
+                           tile_to_expert, tile_to_mn_limit, num_live_tiles, out_bf16, fc2_input_scale, hidden, n1,
+                           inter, col_offset, top_k, p0, p1, p2, p3, tiled_mma, tok_layout).launch(
             grid=(cfg.ctas, 1, 1), block=(cfg.threads, 1, 1),
             smem=storage.size_in_bytes(), stream=stream, use_pdl=pdl)
 

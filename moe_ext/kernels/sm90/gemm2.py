@@ -11,7 +11,7 @@ pts2 is the per-token FC2 row scale (w4a4_pt) or 1.
 
 The FC2 input is bf16 in every mode: in w4a4 / w4a8 GEMM1 (or, w4a4_pt, the per-token kernel) stored its
 quantization decoded, so w4a4 runs the w4a16 kernel. Modes: w2 NVFP4 (w4a16), NVFP4 with per-row FC2 scales
-(w4a4_pt), MXFP4 (w4a8). The kernel takes every tensor (gemm2_wgmma's list) and ignores `a_q` and `a_sf`.
+(w4a4_pt), MXFP4 (w4a8). The arguments are gemm2_wgmma's (the launcher picks either by name).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
     cols_per_thread = cfg.rows * tokens // cfg.threads  # epilogue: output columns per thread
 
     @cute.kernel
-    def gemm2_kernel(a_bf16: cute.Tensor, a_q: cute.Tensor, a_sf: cute.Tensor, row_scale: cute.Tensor,
+    def gemm2_kernel(a_bf16: cute.Tensor, row_scale: cute.Tensor,
                      w2_sf: cute.Tensor, w2_tma_atom: cute.CopyAtom, w2_tma: cute.Tensor, w2_alpha: cute.Tensor,
                      token_final_scales: cute.Tensor,
                      permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor,
@@ -94,14 +94,14 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def launch(a_bf16: cute.Tensor, a_q: cute.Tensor, a_sf: cute.Tensor, row_scale: cute.Tensor, w2: cute.Tensor,
+    def launch(a_bf16: cute.Tensor, row_scale: cute.Tensor, w2: cute.Tensor,
                w2_sf: cute.Tensor, w2_alpha: cute.Tensor, token_final_scales: cute.Tensor,
                permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor,
                num_live_tiles: cute.Tensor, out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32,
                col_offset: Int32, top_k: Int32, fused: cutlass.Boolean, k_split: Int32, pdl: cutlass.Boolean,
                stream: cuda.CUstream):
         w2_tma_atom, w2_tma = streaming.weight_tma(w2, cute.size(w2_alpha), hidden, inter, cfg)
-        gemm2_kernel(a_bf16, a_q, a_sf, row_scale, w2_sf, w2_tma_atom, w2_tma, w2_alpha, token_final_scales,
+        gemm2_kernel(a_bf16, row_scale, w2_sf, w2_tma_atom, w2_tma, w2_alpha, token_final_scales,
                      permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out, hidden, inter,
                      out_pitch, col_offset, top_k, fused, k_split).launch(
             grid=(cute.size(tile_to_expert), hidden // cfg.rows, k_split), block=(cfg.threads, 1, 1),
@@ -124,8 +124,7 @@ def compile_launch(launch, options: str):
 
     u8 = cutlass.Uint8
     return cute.compile(
-        launch, vector(BFloat16, 16), vector(u8, 16), vector(u8), vector(Float32), vector(u8, 16),
-        vector(u8, 16), vector(Float32), vector(Float32), vector(Int32), vector(Int32), vector(Int32), vector(Int32),
-        vector(BFloat16, 16), Int32(128), Int32(128), Int32(128), Int32(0), Int32(1), cutlass.Boolean(True), Int32(1),
-        cutlass.Boolean(True),
+        launch, vector(BFloat16, 16), vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32),
+        vector(Float32), vector(Int32), vector(Int32), vector(Int32), vector(Int32), vector(BFloat16, 16), Int32(128),
+        Int32(128), Int32(128), Int32(0), Int32(1), cutlass.Boolean(True), Int32(1), cutlass.Boolean(True),
         cuda.CUstream(0), options=options)

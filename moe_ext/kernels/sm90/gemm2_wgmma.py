@@ -1,8 +1,8 @@
 """GEMM2 for large token counts (sm_90a): the warp-specialised wgmma mainloop (wgmma_mainloop.py) over the bf16
 FC2-input rows and 4-bit FC2 weights, finalized like gemm2.py (semantics §2.6).
 
-Same arguments as gemm2.py's kernel (the launcher picks either by name; this one ignores `a_q`, `a_sf` and
-`k_split`, which must be 1). The FC2 input is always bf16 `a_bf16`: in the quantized modes gemm1_wgmma.py (or the
+Same arguments as gemm2.py's kernel (the launcher picks either by name; this one ignores `k_split`, which must
+be 1). The FC2 input is always bf16 `a_bf16`: in the quantized modes gemm1_wgmma.py (or the
 per-token kernel) stored its quantization decoded again. Modes: w4a16 (NVFP4 weights; w4a4 runs it too, its FC2
 input arriving decoded), w4a4_pt (also times the per-row FC2 scale `row_scale`), w4a8 (MXFP4 weights).
 
@@ -38,7 +38,7 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
     per_thread = mainloop.WEIGHT_HALF // 2  # output columns of one epilogue thread
 
     @cute.kernel
-    def gemm2_wgmma_kernel(a_bf16: cute.Tensor, a_q: cute.Tensor, a_sf: cute.Tensor, row_scale: cute.Tensor,
+    def gemm2_wgmma_kernel(a_bf16: cute.Tensor, row_scale: cute.Tensor,
                            w2_tma_atom: cute.CopyAtom, w2_tma: cute.Tensor, w2_sf: cute.Tensor, w2_alpha: cute.Tensor,
                            token_final_scales: cute.Tensor, permuted_to_expanded: cute.Tensor,
                            tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
@@ -75,7 +75,7 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def launch(a_bf16: cute.Tensor, a_q: cute.Tensor, a_sf: cute.Tensor, row_scale: cute.Tensor, w2: cute.Tensor,
+    def launch(a_bf16: cute.Tensor, row_scale: cute.Tensor, w2: cute.Tensor,
                w2_sf: cute.Tensor, w2_alpha: cute.Tensor, token_final_scales: cute.Tensor,
                permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor,
                num_live_tiles: cute.Tensor, out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32,
@@ -86,7 +86,7 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
         storage = mainloop.make_storage(cfg, tok_layout)
         w2_tma_atom, w2_tma = mainloop.raw_weight_tma(cfg, w2, cute.size(w2_alpha), hidden, inter)
         a_tma_atom, a_tma = mainloop.token_box_tma(cfg, a_bf16, inter, tok_layout)
-        gemm2_wgmma_kernel(a_bf16, a_q, a_sf, row_scale, w2_tma_atom, w2_tma, w2_sf, w2_alpha, token_final_scales,
+        gemm2_wgmma_kernel(a_bf16, row_scale, w2_tma_atom, w2_tma, w2_sf, w2_alpha, token_final_scales,
                            permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out, hidden,
                            inter, out_pitch, col_offset, top_k, fused, tiled_mma, tok_layout, a_tma_atom,
                            a_tma).launch(

@@ -458,11 +458,11 @@ def narrowest_mainloop(loop_args: tuple, live_rows, widths: cutlass.Constexpr):
             narrowest_mainloop(loop_args, live_rows, widths[half:])
 
 
-def staging_position(tid, m: int, threads: int, per_row: int):
-    """(token row, 8-value chunk) of staging task tid + m * threads over rows of `per_row` chunks. Where threads
-    and rows divide evenly the task's constant part is split at trace time: each thread's shared addresses then
-    differ by immediate offsets instead of holding one register per task (under three CTAs' 80-register cap the
-    32-token tile's 8 addresses spilled one)."""
+def task_position(tid, m: int, threads: int, per_row: int):
+    """(row, item) of task tid + m * threads over rows of `per_row` items (token staging's 8-value chunks, the GEMM1
+    epilogue's column groups). Where threads and rows divide evenly the task's constant part is split at trace time:
+    a thread's addresses then differ by immediate offsets instead of holding one register per task (under three
+    CTAs' 80-register cap the 32-token tile's 8 staging addresses spilled one)."""
     if threads % per_row == 0:
         return tid // per_row + m * (threads // per_row), tid % per_row
     if per_row % threads == 0:
@@ -481,7 +481,7 @@ def stage_tokens(sm, tid, first, k_run, k_end, tokens: cutlass.Constexpr, cfg: c
         ptx.wgmma_wait(0)  # the last steps' wgmmas still read the tile this staging overwrites
     cute.arch.sync_threads()
     for m in cutlass.range_constexpr(chunk_tasks(tokens, cfg, live)):
-        r, c = staging_position(tid, m, cfg.threads, chunk // 8)
+        r, c = task_position(tid, m, cfg.threads, chunk // 8)
         values, valid = load_group(r, first * cfg.k_step + k_run + c * 8, k_end)
         store_chunk(sm, r, c, values, valid, tokens, cfg)
     if cutlass.const_expr(cfg.mma != "sync"):
