@@ -120,31 +120,14 @@ def log(*args):
 
 
 def compile_pair(cfg: tuple, tile: int):
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_stream
 
     from moe_ext.kernels.sm90 import gemm1, gemm2
 
-    def vector(dtype, align=4):
-        return make_fake_compact_tensor(dtype, (cute.sym_int(),), assumed_align=align)
-
-    u8 = cutlass.Uint8
     options = "--gpu-arch sm_90a --enable-tvm-ffi"
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    g1 = cute.compile(
-        gemm1.make_kernel("w4a16", "swiglu", tile, cfg[0]), vector(BFloat16, 16), vector(Float32),
-        vector(u8, 16), vector(u8, 16), vector(Float32), vector(Int32), vector(Int32),
-        vector(Int32), vector(Int32), vector(BFloat16, 16), vector(Float32),
-        Int32(128), Int32(256), Int32(128), Int32(0), Int32(1), Float32(0), Float32(0), Float32(0), Float32(0),
-        Int32(1), cutlass.Boolean(False), stream, options=options)
-    g2 = cute.compile(
-        gemm2.make_kernel("w4a16", tile, cfg[1]), vector(BFloat16, 16), vector(Float32),
-        vector(u8, 16), vector(u8, 16), vector(Float32), vector(Float32), vector(Int32), vector(Int32),
-        vector(Int32), vector(Int32), vector(BFloat16, 16), Int32(128), Int32(128), Int32(128), Int32(0), Int32(1),
-        cutlass.Boolean(False), Int32(1), cutlass.Boolean(False), stream, options=options)
-    return g1, g2
+    return (gemm1.compile_launch(gemm1.make_kernel("w4a16", "swiglu", tile, cfg[0]), options, stream),
+            gemm2.compile_launch(gemm2.make_kernel("w4a16", tile, cfg[1]), options, stream))
 
 
 @dataclasses.dataclass

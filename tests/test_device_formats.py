@@ -27,7 +27,9 @@ def run_per_group(fn, inputs: torch.Tensor, group: int, out_dtype: torch.dtype) 
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_stream
+
+    from moe_ext.kernels.sm90.fake_args import vector
 
     dtypes = {torch.float32: cutlass.Float32, torch.int32: Int32}
     outputs = []  # the result count, learnt while tracing
@@ -47,10 +49,7 @@ def run_per_group(fn, inputs: torch.Tensor, group: int, out_dtype: torch.dtype) 
     def launch(x: cute.Tensor, out: cute.Tensor, groups: Int32, stream):
         kernel(x, out, groups).launch(grid=((groups + 127) // 128, 1, 1), block=(128, 1, 1), stream=stream)
 
-    def fake(dtype):
-        return make_fake_compact_tensor(dtypes[dtype], (cute.sym_int(),), assumed_align=4)
-
-    compiled = cute.compile(launch, fake(inputs.dtype), fake(out_dtype), Int32(1),
+    compiled = cute.compile(launch, vector(dtypes[inputs.dtype]), vector(dtypes[out_dtype]), Int32(1),
                             make_fake_stream(use_tvm_ffi_env_stream=True),
                             options="--gpu-arch sm_90a --enable-tvm-ffi")
     groups = inputs.numel() // group

@@ -62,10 +62,7 @@ def make_fc2_quant():
 
 
 def compile_fc2_quant(options: str):
-    from cutlass.cute.runtime import make_fake_compact_tensor
-
-    def vector(dtype, align=4):
-        return make_fake_compact_tensor(dtype, (cute.sym_int(),), assumed_align=align)
+    from .fake_args import vector
 
     return cute.compile(make_fc2_quant(), vector(BFloat16, 16), vector(Int32), vector(Float32), vector(Float32),
                         Int32(128), cutlass.Boolean(True), cuda.CUstream(0), options=options)

@@ -56,10 +56,7 @@ def launch_finalize(slot_output: cute.Tensor, expanded_to_permuted: cute.Tensor,
 
 
 def compile_finalize(options: str):
-    from cutlass.cute.runtime import make_fake_compact_tensor
-
-    def vector(dtype, align=4):
-        return make_fake_compact_tensor(dtype, (cute.sym_int(),), assumed_align=align)
+    from .fake_args import vector
 
     return cute.compile(launch_finalize, vector(BFloat16, 16), vector(Int32), vector(Float32), vector(BFloat16, 16),
                         Int32(128), Int32(1), cutlass.Boolean(True), cuda.CUstream(0),

@@ -126,16 +126,15 @@ def compile_gemm1(mode: str, kind: str, tokens: int, options: str, three_ctas: b
     return compile_launch(make_kernel(mode, kind, tokens, streaming.config_for(tokens, 1, three_ctas)), options)
 
 
-def compile_launch(launch, options: str):
-    """Compile a GEMM1 launch function (this module's, or gemm1_wgmma's: the same arguments) on fake tensors."""
-    from cutlass.cute.runtime import make_fake_compact_tensor
-
-    def vector(dtype, align=4):
-        return make_fake_compact_tensor(dtype, (cute.sym_int(),), assumed_align=align)
+def compile_launch(launch, options: str, stream=None):
+    """Compile a GEMM1 launch function (this module's, or gemm1_wgmma's: the same arguments) on fake tensors, for
+    `stream` (default: a CUstream; a TVM-FFI fake stream for a JIT-run variant)."""
+    from .fake_args import vector
 
     u8 = cutlass.Uint8
     return cute.compile(
         launch, vector(BFloat16, 16), vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32),
         vector(Int32), vector(Int32), vector(Int32), vector(Int32), vector(BFloat16, 16), vector(Float32),
         Int32(128), Int32(256), Int32(128), Int32(0), Int32(1), Float32(0), Float32(0), Float32(0), Float32(0),
-        Int32(1), cutlass.Boolean(True), cuda.CUstream(0), options=options)
+        Int32(1), cutlass.Boolean(True),
+        cuda.CUstream(0) if stream is None else stream, options=options)

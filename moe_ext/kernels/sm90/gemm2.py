@@ -115,16 +115,14 @@ def compile_gemm2(mode: str, tokens: int, options: str, three_ctas: bool = False
     return compile_launch(make_kernel(mode, tokens, streaming.config_for(tokens, 2, three_ctas)), options)
 
 
-def compile_launch(launch, options: str):
-    """Compile a GEMM2 launch function (this module's, or gemm2_wgmma's: the same arguments) on fake tensors."""
-    from cutlass.cute.runtime import make_fake_compact_tensor
-
-    def vector(dtype, align=4):
-        return make_fake_compact_tensor(dtype, (cute.sym_int(),), assumed_align=align)
+def compile_launch(launch, options: str, stream=None):
+    """Compile a GEMM2 launch function (this module's, or gemm2_wgmma's: the same arguments) on fake tensors, for
+    `stream` (default: a CUstream; a TVM-FFI fake stream for a JIT-run variant)."""
+    from .fake_args import vector
 
     u8 = cutlass.Uint8
     return cute.compile(
         launch, vector(BFloat16, 16), vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32),
         vector(Float32), vector(Int32), vector(Int32), vector(Int32), vector(Int32), vector(BFloat16, 16), Int32(128),
         Int32(128), Int32(128), Int32(0), Int32(1), cutlass.Boolean(True), Int32(1), cutlass.Boolean(True),
-        cuda.CUstream(0), options=options)
+        cuda.CUstream(0) if stream is None else stream, options=options)

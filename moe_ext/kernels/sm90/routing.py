@@ -199,24 +199,18 @@ def make_routing_decode(x_format: str):
 
 
 def compile_routing_decode(x_format: str, options: str):
-    from cutlass.cute.runtime import make_fake_compact_tensor
+    from .fake_args import vector
 
-    def vector(dtype=Int32, align=4):
-        return make_fake_compact_tensor(dtype, (cute.sym_int(),), assumed_align=align)
-
-    return cute.compile(make_routing_decode(x_format), vector(), Int32(1), Int32(0), Int32(128), vector(), vector(),
-                        vector(), vector(), vector(), vector(), vector(), vector(cutlass.Uint8, 16),
-                        vector(cutlass.Uint8), vector(BFloat16, 16), cutlass.Boolean(True), cuda.CUstream(0),
-                        options=options)
+    maps = [vector(Int32) for _ in range(7)]  # fresh tensors: each has a length of its own
+    return cute.compile(make_routing_decode(x_format), vector(Int32), Int32(1), Int32(0), Int32(128), *maps,
+                        vector(cutlass.Uint8, 16), vector(cutlass.Uint8), vector(BFloat16, 16), cutlass.Boolean(True),
+                        cuda.CUstream(0), options=options)
 
 
 def compile_routing(options: str):
     """Compile for fake 1-D int32 tensors of dynamic length (the launcher checks the real ones)."""
-    from cutlass.cute.runtime import make_fake_compact_tensor
+    from .fake_args import vector
 
-    def vector():
-        return make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4)
-
-    return cute.compile(launch_routing, vector(), Int32(1), Int32(0), Int32(128), vector(), vector(), vector(),
-                        vector(), vector(), vector(), vector(), cutlass.Boolean(True), cuda.CUstream(0),
-                        options=options)
+    maps = [vector(Int32) for _ in range(7)]  # fresh tensors: each has a length of its own
+    return cute.compile(launch_routing, vector(Int32), Int32(1), Int32(0), Int32(128), *maps, cutlass.Boolean(True),
+                        cuda.CUstream(0), options=options)
