@@ -39,12 +39,12 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
 
     group = {"w4a4": 16, "w4a8": 32}.get(mode, 8)  # FC2-input values an epilogue thread finishes
 
-    def store_fc2_input(s_c, a_row, c0, row, col0, expert, permuted_to_expanded, top_k, w1_alpha, per_token_scale,
+    def store_fc2_input(s_c, a_row, c0, row, col0, permuted_to_expanded, top_k, alpha, per_token_scale,
                         fc2_input_scale, out_bf16, inter, params):
         """Activation of accumulator columns c0.. (up, and gate half a tile further) of tile row a_row, stored at
         FC2-input row `row`, column col0: bf16, or in w4a4 / w4a8 its quantization decoded. Traced inline (plain
         Python: the mode and activation choose the code at trace time)."""
-        s1 = w1_alpha[expert]
+        s1 = alpha
         if mode == "w4a4_pt":
             s1 = s1 * per_token_scale[permuted_to_expanded[row] // top_k]
         values = []
@@ -95,12 +95,13 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
             # its share: one scale block in w4a4 / w4a8, a 16-byte store otherwise.
             width = cfg.rows // 2 if gated else cfg.rows
             per_row = width // group
+            alpha = w1_alpha[expert]  # once a thread: it may take several tasks
             for m in cutlass.range_constexpr((tokens * per_row + cfg.threads - 1) // cfg.threads):
                 a_row, g = streaming.task_position(tid, m, cfg.threads, per_row)
                 row = row0 + a_row
                 if rank == 0 and a_row < tokens and row < limit:
-                    store_fc2_input(s_c, a_row, g * group, row, col_offset + n_tile * width + g * group, expert,
-                                    permuted_to_expanded, top_k, w1_alpha, per_token_scale, fc2_input_scale, out_bf16,
+                    store_fc2_input(s_c, a_row, g * group, row, col_offset + n_tile * width + g * group,
+                                    permuted_to_expanded, top_k, alpha, per_token_scale, fc2_input_scale, out_bf16,
                                     inter, (p0, p1, p2, p3))
         cute.arch.griddepcontrol_launch_dependents()
 
