@@ -160,6 +160,26 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     assert launcher.default_tactic(1, 8, 256, 32, 4096, 7168, tiles, 132, True, wide=(True, True)) == (8, 2, 1)
 
 
+def test_64_token_wgmma_tiles_run_both_gemms_on_wgmma_in_every_weight_width():
+    """NARROW_WGMMA_TILE: the wgmma GEMMs on 64-token routing tiles (one m64n64 block), both GEMMs, each in the
+    weight widths `wide` allows; offered only with the 128-token wgmma forward linked too."""
+    from moe_ext import launcher
+
+    W, WW, N = launcher.WGMMA, launcher.WGMMA_WIDE, launcher.NARROW_WGMMA_TILE
+    tiles = launcher.TOKEN_TILES
+    assert launcher.gemm1_kernel("w4a16", "swiglu", N, W) == "moe_gemm1_w4a16_swiglu_t64_wgmma"
+    assert launcher.gemm2_kernel("w4a4", N, WW) == "moe_gemm2_w4a16_t64_wgmma_n256"
+    for mixed in (True, False):
+        added = set(launcher.tactics(tiles, True, mixed=mixed, narrow_wgmma=True)) - set(
+            launcher.tactics(tiles, True, mixed=mixed))
+        assert added == {(N, W, W)}
+        wide = set(launcher.tactics(tiles, True, mixed=mixed, wide=(True, True), narrow_wgmma=True)) - set(
+            launcher.tactics(tiles, True, mixed=mixed, wide=(True, True)))
+        assert wide == {(N, W, W), (N, WW, W), (N, W, WW), (N, WW, WW)}
+    assert launcher.tactics(tiles, narrow_wgmma=True) == launcher.tactics(tiles)  # no 128-token wgmma forward
+    assert (N, W, W) not in launcher.tactics((8, 16, 32, 128), True, narrow_wgmma=True)  # no 64-token tile
+
+
 def test_three_cta_form_is_offered_on_8_and_32_token_tiles_and_taken_where_ctas_fill_three_an_sm(monkeypatch):
     """THREE_CTAS selects the 8- and 32-token streaming GEMMs' `_3cta` kernels, either GEMM on its own; the default
     takes it for an unsplit GEMM whose expected CTAs fill three an SM (on 8-token tiles measured faster there,

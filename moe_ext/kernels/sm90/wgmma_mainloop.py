@@ -2,9 +2,11 @@
 consumers straight into the wgmma's register A operand, gathered bf16 token rows as B from shared memory, fp32
 accumulators.
 
-CTA tile: 128 weight rows (the wgmma M side, two consumer warpgroups of 64) x 128 or 256 routed token rows (one
-routing tile of one local expert, in blocks of 128: one wgmma N each) x all of K in stages of 64, `stages` deep.
-A 256-row tile decodes each weight stage once for both blocks (twice the MMA per decode instruction).
+CTA tile: 128 weight rows (the wgmma M side, two consumer warpgroups of 64) x 64, 128 or 256 routed token rows
+(one routing tile of one local expert, in blocks of up to 128: one wgmma N each) x all of K in stages of 64,
+`stages` deep. A 256-row tile decodes each weight stage once for both blocks (twice the MMA per decode
+instruction); a 64-row tile halves the MMA of a 128-row one where experts have 32-64 rows (no padding block of
+64 token rows multiplied for nothing), for the same decode.
 Persistent: `ctas` CTAs (one per SM) loop over the work items (routing tile, column tile); each role carries its
 ring states from one item to the next, so the copier fills the next item's stages while the consumers run this
 item's epilogue out of their own s_c.
@@ -56,22 +58,23 @@ WARPGROUP = 128
 ACCUMULATOR_SCALE = TWO_P63
 COPIER, FIRST_CONSUMER = 0, 1  # warpgroups
 CONSUMERS = 256
-# Token rows of one wgmma N and one s_c pass; a 256-row routing tile is two such blocks sharing each decoded weight
-# fragment (two m64n128k16 per k16 block), so a stage's decode feeds twice the MMA.
+# Token rows of one wgmma N and one s_c pass (at most; a 64-row routing tile is one 64-row block, WgmmaConfig.
+# token_block); a 256-row routing tile is two such blocks sharing each decoded weight fragment (two m64n128k16 per
+# k16 block), so a stage's decode feeds twice the MMA.
 TOKEN_BLOCK = 128
 # Weight rows of one register A operand (two consumer warpgroups of 64) and of one s_c pass; a 256-row weight tile
 # is two such halves sharing each token stage (two m64n128k16 per k16 block with different A), so a stage's token
 # rows feed twice the MMA.
 WEIGHT_HALF = 128
 MAX_SHARED_BYTES = 227 * 1024  # opt-in dynamic shared memory of a Hopper CTA
-TILES = (128, 256)  # the routing tiles the wgmma GEMMs are built for
+TILES = (64, 128, 256)  # the routing tiles the wgmma GEMMs are built for
 # (routing tile, weight rows) of every wgmma GEMM built: at most two accumulators (blocks x halves) fit the registers
-SHAPES = ((128, 128), (256, 128), (128, 256))
+SHAPES = ((64, 128), (64, 256), (128, 128), (256, 128), (128, 256))
 
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    bm: int = 128  # routed rows per CTA (= the routing tile): 128 or 256
+    bm: int = 128  # routed rows per CTA (= the routing tile): 64, 128 or 256
     bn: int = 128  # weight rows per CTA: 128 or 256 (two halves)
     bk: int = 64  # K per stage: 128 bytes of bf16 = one 128B-swizzle row
     stages: int = 6  # token tile + raw weight ring depth (20.5 KB a stage)
@@ -101,9 +104,14 @@ class WgmmaConfig:
         return WEIGHT_HALF + self.pad
 
     @property
+    def token_block(self) -> int:
+        """Token rows of one wgmma N (one s_c pass)."""
+        return min(self.bm, TOKEN_BLOCK)
+
+    @property
     def blocks(self) -> int:
-        """Token blocks of TOKEN_BLOCK rows in the routing tile."""
-        return self.bm // TOKEN_BLOCK
+        """Token blocks of token_block rows in the routing tile."""
+        return self.bm // self.token_block
 
     @property
     def halves(self) -> int:
@@ -111,7 +119,7 @@ class WgmmaConfig:
         return self.bn // WEIGHT_HALF
 
     def check(self) -> None:
-        assert self.bm in (128, 256) and self.bn in (128, 256), "the thread mappings assume 128-row blocks"
+        assert self.bm in TILES and self.bn in (128, 256), "the thread mappings assume 64- or 128-row blocks"
         assert self.blocks * self.halves <= 2, "at most two 64 x 128 fp32 accumulators a consumer thread"
         assert self.bk == 64, "one stage must be one 4-block group of the 128x4 scale layout"
         assert self.stages >= 3, "the consumers hold up to two stages (wgmma wait_group(1))"
@@ -127,8 +135,8 @@ class WgmmaConfig:
         n = 16 * self.stages  # copied / empty mbarriers
         n = up(n, 1024) + self.stages * self.bn * self.bk // 2  # raw codes
         n = up(n, 16) + self.stages * self.halves * 512 + 256 * 4  # raw scales, scale table
-        n = up(n, 1024) + self.blocks * self.stages * TOKEN_BLOCK * self.bk * 2  # token blocks
-        return up(n, 16) + TOKEN_BLOCK * self.pitch * 4  # s_c
+        n = up(n, 1024) + self.blocks * self.stages * self.token_block * self.bk * 2  # token blocks
+        return up(n, 16) + self.token_block * self.pitch * 4  # s_c
 
 
 DEFAULT = WgmmaConfig()
@@ -138,7 +146,10 @@ def config_for_tile(tile: int, sf_block: int, weight_rows: int = 128) -> WgmmaCo
     """The config of a routing tile and weight tile: a 256-row routing tile holds two token blocks a stage (36.5 KB:
     4 stages with s_c) and two accumulators (setmaxnreg 56 / 224: the copier keeps 16 gather addresses); a 256-row
     weight tile two raw weight halves a stage (25 KB: 6 stages with s_c), two accumulators and two register A
-    buffers a half."""
+    buffers a half. A 64-row routing tile's stage is a third smaller than a 128-row one's (8 KB of tokens): 8 stages
+    keep more weight bytes in flight in the same shared memory."""
+    if tile == 64:
+        return WgmmaConfig(bm=64, bn=weight_rows, stages=8, sf_block=sf_block)
     if tile == 256:
         assert weight_rows == 128, "two token blocks and two weight halves would need four accumulators"
         return WgmmaConfig(bm=256, stages=4, copier_regs=56, consumer_regs=224, sf_block=sf_block)
@@ -149,13 +160,13 @@ def make_tiled_mma(cfg: WgmmaConfig):
     """bf16 x bf16 -> fp32, swap-AB: A = weight rows from registers (M, two consumer warpgroups of 64 stacked),
     B = token rows from shared memory (N = bm), both K-major. Call inside a jit."""
     return sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                             (2, 1, 1), tiler_mn=(64, TOKEN_BLOCK), a_source=OperandSource.RMEM)
+                                             (2, 1, 1), tiler_mn=(64, cfg.token_block), a_source=OperandSource.RMEM)
 
 
 def token_layout(cfg: WgmmaConfig):
-    """128B-swizzled K-major stage layout of one token block (TOKEN_BLOCK rows x bk, the wgmma B operand),
+    """128B-swizzled K-major stage layout of one token block (token_block rows x bk, the wgmma B operand),
     `stages` deep. Call inside a jit."""
-    return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WEIGHT_HALF, TOKEN_BLOCK, cfg.bk), BFloat16,
+    return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WEIGHT_HALF, cfg.token_block, cfg.bk), BFloat16,
                                          cfg.stages)
 
 
@@ -169,7 +180,7 @@ def make_storage(cfg: WgmmaConfig, tok_layout):
         raw_scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * cfg.halves * 512], 16]
         scale_lut: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 256 * 4], 16]  # bf16x2 per scale byte
         tokens: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.blocks * cute.cosize(tok_layout)], 1024]
-        sC: cute.struct.Align[cute.struct.MemRange[Float32, TOKEN_BLOCK * cfg.pitch], 16]  # one block a pass
+        sC: cute.struct.Align[cute.struct.MemRange[Float32, cfg.token_block * cfg.pitch], 16]  # one block a pass
 
     return Storage
 
@@ -180,7 +191,7 @@ def allocate(cfg: WgmmaConfig, tok_layout):
     branch turns the Python ints inside a carried tuple into runtime values). `copied` counts the copier's 128
     cp.async arrivals and the one expect_tx arrival of the TMA bytes per stage; its empty side counts the 256
     consumer threads' releases.
-    The token tile (bm, bk, stages) carries its swizzle in the pointer; s_c is fp32 (TOKEN_BLOCK, WEIGHT_HALF)
+    The token tile (bm, bk, stages) carries its swizzle in the pointer; s_c is fp32 (token_block, WEIGHT_HALF)
     [token][weight row] with row pitch cfg.pitch, the accumulator tile of one token block and weight half for the
     epilogue (its own memory: the
     ring already holds the next work item's stages while the epilogue reads it)."""
@@ -194,7 +205,7 @@ def allocate(cfg: WgmmaConfig, tok_layout):
     tokens = [cute.make_tensor(cute.recast_ptr(st.tokens.data_ptr() + b * block, tok_layout.inner, dtype=BFloat16),
                                tok_layout.outer) for b in range(cfg.blocks)]
     return (tokens,
-            st.sC.get_tensor(cute.make_layout((TOKEN_BLOCK, WEIGHT_HALF), stride=(cfg.pitch, 1))),
+            st.sC.get_tensor(cute.make_layout((cfg.token_block, WEIGHT_HALF), stride=(cfg.pitch, 1))),
             st.raw_codes.data_ptr().toint(), st.raw_scales.data_ptr().toint(), st.scale_lut.data_ptr().toint(),
             copied)
 
@@ -240,13 +251,14 @@ class WorkItem:
 # Copier (warpgroup 0)
 # ----------------------------------------------------------------------------------------------------------------
 def token_copy_partition(cfg: WgmmaConfig, tokens, tid):
-    """Thread t copies 16-byte chunk t % 8 of rows t // 8 + 16 i (i < 8) of each stage of one token block. Returns
+    """Thread t copies 16-byte chunk t % 8 of rows t // 8 + 16 i (i < token_block / 16) of each stage of one token
+    block. Returns
     the cp.async atom, the block's partition ((8,1), 8, 1, stages) and the (m, k) coordinate of each chunk."""
     cp_atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                   BFloat16, num_bits_per_copy=128)
     g2s = cute.make_tiled_copy_tv(cp_atom, cute.make_layout((WARPGROUP // 8, 8), stride=(8, 1)),
                                   cute.make_layout((1, 8))).get_slice(tid)
-    return cp_atom, g2s.partition_D(tokens), g2s.partition_D(cute.make_identity_tensor((TOKEN_BLOCK, cfg.bk)))
+    return cp_atom, g2s.partition_D(tokens), g2s.partition_D(cute.make_identity_tensor((cfg.token_block, cfg.bk)))
 
 
 def token_sources(tAcA, a_base: Int64, a_row_offset) -> cute.Tensor:
@@ -297,11 +309,11 @@ def raw_weight_tma(cfg: WgmmaConfig, w: cute.Tensor, experts, rows_per_expert, k
 
 def token_box_tma(cfg: WgmmaConfig, a: cute.Tensor, k_extent, tok_layout):
     """The launch function's TMA atom and coordinate tensor for token stages read as boxes (cfg.tma_tokens): `a` is
-    flat bf16 [rows, k_extent], a box is (TOKEN_BLOCK rows, bk) in the token stage's 128B-swizzled layout. Rows
+    flat bf16 [rows, k_extent], a box is (token_block rows, bk) in the token stage's 128B-swizzled layout. Rows
     past the end of `a` arrive as zeros; rows past a tile's valid ones are never stored."""
     view = cute.make_tensor(a.iterator, cute.make_layout((cute.size(a) // k_extent, k_extent), stride=(k_extent, 1)))
     return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view,
-                                       cute.slice_(tok_layout, (None, None, 0)), (TOKEN_BLOCK, cfg.bk))
+                                       cute.slice_(tok_layout, (None, None, 0)), (cfg.token_block, cfg.bk))
 
 
 @cute.jit
@@ -315,7 +327,7 @@ def issue_b_stage(cfg: cutlass.Constexpr, copied, fill, tma_atom, boxes, slots, 
     own lane, so the whole warp calls them."""
     bar = copied.producer_get_barrier(fill)
     stages_per_group = 4 * cfg.sf_block // cfg.bk
-    token_bytes = cfg.blocks * TOKEN_BLOCK * cfg.bk * 2 if cfg.tma_tokens else 0
+    token_bytes = cfg.blocks * cfg.token_block * cfg.bk * 2 if cfg.tma_tokens else 0
     if lane == 0:
         cute.arch.mbarrier_arrive_and_expect_tx(bar, cfg.bn * cfg.bk // 2 + cfg.halves * 512 + token_bytes)
         for h in cutlass.range_constexpr(cfg.halves):
@@ -384,11 +396,12 @@ def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_sc
             atom, tensor = token_tma
             tAsA, tAgA = cpasync.tma_partition(
                 atom, 0, cute.make_layout(1), cute.group_modes(tokens[b], 0, 2),
-                cute.group_modes(cute.local_tile(tensor, (TOKEN_BLOCK, cfg.bk), (None, None)), 0, 2))
-            token_boxes.append((atom, tAsA, tAgA, first_token_row // TOKEN_BLOCK + b))
+                cute.group_modes(cute.local_tile(tensor, (cfg.token_block, cfg.bk), (None, None)), 0, 2))
+            token_boxes.append((atom, tAsA, tAgA, first_token_row // cfg.token_block + b))
         else:
             cp_atom, tAsA, tAcA = token_copy_partition(cfg, tokens[b], tid)
-            blocks.append((cp_atom, tAsA, token_sources(tAcA, a_base, lambda m: a_row_offset(m + b * TOKEN_BLOCK))))
+            blocks.append((cp_atom, tAsA, token_sources(tAcA, a_base,
+                                                        lambda m: a_row_offset(m + b * cfg.token_block))))
     ring = cute.make_tensor(cute.make_ptr(cutlass.Uint8, raw_codes, cute.AddressSpace.smem, assumed_align=1024),
                             cute.make_layout((1, cfg.bn, cfg.bk // 2, cfg.stages),
                                              stride=(0, cfg.bk // 2, 1, cfg.bn * cfg.bk // 2)))
@@ -456,7 +469,7 @@ def mma_stage(cfg: cutlass.Constexpr, copied, tiled_mma: cute.TiledMma, accs, tC
 @cute.jit
 def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_scales: Int32, lut: Int32,
             tiled_mma: cute.TiledMma, wg, ctid, k_extent, read, release, finish: cutlass.Constexpr):
-    """acc (64 weight rows per warpgroup x TOKEN_BLOCK tokens, one per weight half and token block) = A . tokens^T
+    """acc (64 weight rows per warpgroup x token_block tokens, one per weight half and token block) = A . tokens^T
     over all K stages of one work item, A decoded from each stage's raw slot straight into the wgmma's register
     operand. Two register buffers a half alternate by stage: a stage decodes into one while the previous stage's
     wgmmas, reading the other, are still in flight (an in-flight wgmma's A registers must not be written). Then,
@@ -469,7 +482,7 @@ def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_s
     tCrAs = [tiled_mma.make_fragment_A(thr_wg.partition_shape_A((WEIGHT_HALF, 2 * cfg.bk))) for _ in
              range(cfg.halves)]
     a_words = [cute.recast_tensor(t, Int32) for t in tCrAs]
-    tCcC = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((WEIGHT_HALF, TOKEN_BLOCK)))
+    tCcC = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((WEIGHT_HALF, cfg.token_block)))
     accs = [[cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(cfg.blocks)] for _ in range(cfg.halves)]
     for half_accs in accs:
         for acc in half_accs:
@@ -551,8 +564,10 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
             item = WorkItem(cfg, w, raster, tile_to_expert, tile_to_mn_limit)
             r, half = epilogue_thread(ctid)
 
-            def finish(h, b):  # the epilogue of weight half h and token block b of this item, out of s_c
-                row = item.row0 + b * TOKEN_BLOCK + r
+            # The epilogue of weight half h and token block b of this item, out of s_c. A 64-row block leaves
+            # threads with r >= 64 out: their rows are at or past the tile's limit (<= row0 + bm).
+            def finish(h, b):
+                row = item.row0 + b * cfg.token_block + r
                 n_tile = item.n_tile if cutlass.const_expr(cfg.halves == 1) else item.n_tile * cfg.halves + h
                 if row < item.limit:
                     epilogue(item, n_tile, s_c, r, half, row)
