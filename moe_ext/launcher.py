@@ -252,15 +252,15 @@ K_SPLITS = (1, 2, 4)  # CTAs of a cluster that share one GEMM tile's K steps (cl
 # families read the same decoded bf16 operands, so a mixed pair would run, but it was never measured.
 WGMMA = 0
 WGMMA_TILE = 128
-# 64-token routing tiles run the wgmma GEMMs too, both GEMMs, as (64, WGMMA or WGMMA_WIDE, WGMMA or WGMMA_WIDE):
-# one m64n64 wgmma block a tile, for experts of 32-64 rows, where a 128-token tile multiplies a padding half.
-NARROW_WGMMA_TILE = 64
+# 32- and 64-token routing tiles run the wgmma GEMMs too, both GEMMs, as (tile, WGMMA or WGMMA_WIDE, WGMMA or
+# WGMMA_WIDE): one m64n32 / m64n64 wgmma block a tile, for experts of fewer rows than a 128-token tile would pad to.
+NARROW_WGMMA_TILES = (32, 64)
 WGMMA_MIN_ROWS = 32  # expected rows per local expert from which the default tactic takes the wgmma GEMMs
 # 256-row routing tiles run only the wgmma GEMMs (both): each decoded weight stage feeds two 128-token blocks, for
 # experts with 512+ rows on average (wgmma_mainloop.TOKEN_BLOCK).
 WIDE_WGMMA_TILE = 256
 WIDE_TILE_MIN_ROWS = 512
-# The "split" of a GEMM that selects its wgmma kernel with 256-row weight tiles (64- or 128-token routing tiles): two weight
+# The "split" of a GEMM that selects its wgmma kernel with 256-row weight tiles (32- to 128-token routing tiles): two weight
 # halves share each gathered token stage, halving the token rows a CTA reads per MMA. The GEMM's weight rows (of
 # one launch) must be a multiple of 256.
 WGMMA_WIDE = -1
@@ -292,9 +292,9 @@ def gemm2_kernel(mode: str, tile: int, split: int) -> str:
 
 def wide_weights(mode: str, kind: str, n1: int, hidden: int) -> tuple[bool, bool]:
     """Whether GEMM1 (n1 weight rows a launch) and GEMM2 (hidden rows) can take WGMMA_WIDE: the wgmma forward and
-    the GEMM's 256-row kernel linked (on 64-token tiles too where those are linked), and its weight rows a multiple
-    of 256."""
-    tiles = (WGMMA_TILE,) + ((NARROW_WGMMA_TILE,) if has_narrow_wgmma(mode, kind) else ())
+    the GEMM's 256-row kernel linked (on the narrow wgmma tiles too, where those are linked), and its weight rows a
+    multiple of 256."""
+    tiles = (WGMMA_TILE,) + narrow_wgmma_tiles(mode, kind)
     linked = has_wgmma(mode, kind)
     return (linked and n1 % WIDE_WEIGHT_ROWS == 0
             and all(has_kernel(gemm1_kernel(mode, kind, t, WGMMA_WIDE)) for t in tiles),
@@ -306,7 +306,7 @@ def kernel_forms(mode: str, kind: str, n1: int, hidden: int) -> dict:
     """What the linked kernels of this kernel mode and activation offer GEMMs of n1 (GEMM1) and hidden (GEMM2)
     weight rows a launch: the keyword arguments of tactics() and default_tactic() beyond the tiles."""
     return dict(wgmma=has_wgmma(mode, kind), mixed=mode == "w4a16", wide=wide_weights(mode, kind, n1, hidden),
-                three_ctas=has_three_ctas(mode, kind), narrow_wgmma=has_narrow_wgmma(mode, kind))
+                three_ctas=has_three_ctas(mode, kind), narrow_wgmma=narrow_wgmma_tiles(mode, kind))
 
 
 @functools.lru_cache(maxsize=None)
@@ -325,22 +325,23 @@ def has_wgmma(mode: str, kind: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def has_narrow_wgmma(mode: str, kind: str) -> bool:
-    """Whether the wgmma forward on NARROW_WGMMA_TILE-token routing tiles is linked (both GEMMs, the tile's
-    streaming kernels, and the 128-token wgmma forward)."""
-    return (has_wgmma(mode, kind) and NARROW_WGMMA_TILE in streaming_tiles(mode, kind)
-            and has_kernel(gemm1_kernel(mode, kind, NARROW_WGMMA_TILE, WGMMA))
-            and has_kernel(gemm2_kernel(mode, NARROW_WGMMA_TILE, WGMMA)))
+def narrow_wgmma_tiles(mode: str, kind: str) -> tuple:
+    """The NARROW_WGMMA_TILES whose wgmma forward is linked (both GEMMs, the tile's streaming kernels, and the
+    128-token wgmma forward)."""
+    if not has_wgmma(mode, kind):
+        return ()
+    return tuple(t for t in NARROW_WGMMA_TILES if t in streaming_tiles(mode, kind)
+                 and has_kernel(gemm1_kernel(mode, kind, t, WGMMA)) and has_kernel(gemm2_kernel(mode, t, WGMMA)))
 
 
 def tactics(tiles: tuple, wgmma: bool = False, mixed: bool = True, wide: tuple = (False, False),
-            three_ctas: bool = False, narrow_wgmma: bool = False) -> list[tuple]:
+            three_ctas: bool = False, narrow_wgmma: tuple = ()) -> list[tuple]:
     """Hopper tactics: (routing tile, GEMM1 K split or WGMMA, GEMM2 K split or WGMMA). mixed=False (the quantized
     modes): WGMMA only as (WGMMA_TILE, WGMMA, WGMMA). A tile outside TOKEN_TILES (WIDE_WGMMA_TILE) runs only as
     (tile, WGMMA, WGMMA). `wide` (wide_weights): the GEMMs that may take WGMMA_WIDE, on 128-token tiles with the
     other GEMM on a wgmma kernel too. `three_ctas` (has_three_ctas): on THREE_CTA_TILES, either GEMM may take
-    THREE_CTAS in place of a K split. `narrow_wgmma` (has_narrow_wgmma): NARROW_WGMMA_TILE-token tiles also run
-    both GEMMs on wgmma kernels (either of them WGMMA_WIDE where `wide` allows)."""
+    THREE_CTAS in place of a K split. `narrow_wgmma` (narrow_wgmma_tiles): these streaming tiles also run both
+    GEMMs on wgmma kernels (either of them WGMMA_WIDE where `wide` allows)."""
 
     def forms(t: int) -> tuple:
         return K_SPLITS + (THREE_CTAS,) if three_ctas and t in THREE_CTA_TILES else K_SPLITS
@@ -356,8 +357,8 @@ def tactics(tiles: tuple, wgmma: bool = False, mixed: bool = True, wide: tuple =
     seconds = (WGMMA, WGMMA_WIDE) if wide[1] else (WGMMA,)
     if wgmma and WGMMA_TILE in tiles:
         out += [(WGMMA_TILE, s1, s2) for s1 in firsts for s2 in seconds if WGMMA_WIDE in (s1, s2)]
-    if wgmma and narrow_wgmma and NARROW_WGMMA_TILE in tiles:
-        out += [(NARROW_WGMMA_TILE, s1, s2) for s1 in firsts for s2 in seconds]
+    if wgmma:
+        out += [(t, s1, s2) for t in narrow_wgmma if t in tiles for s1 in firsts for s2 in seconds]
     if wgmma:
         out += [(t, WGMMA, WGMMA) for t in tiles if t not in TOKEN_TILES]
     return out
@@ -365,7 +366,7 @@ def tactics(tiles: tuple, wgmma: bool = False, mixed: bool = True, wide: tuple =
 
 def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, n1: int, hidden: int,
                    tiles: tuple, num_sms: int, wgmma: bool = False, mixed: bool = True,
-                   wide: tuple = (False, False), three_ctas: bool = False, narrow_wgmma: bool = False) -> tuple:
+                   wide: tuple = (False, False), three_ctas: bool = False, narrow_wgmma: tuple = ()) -> tuple:
     """The heuristic for untuned shapes.
 
     Tile: up to 64, the smallest with room for twice an expert's average rows. Decode streams an expert's weights
@@ -385,7 +386,11 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     modes (mixed=False) the two GEMMs take wgmma together, when neither would split K. Where both GEMMs run wgmma
     on 128-token tiles, each GEMM whose weight rows allow it (`wide`, wide_weights) takes 256-row weight tiles: at
     T = 4096 (128-256 rows per expert) 1.04-1.14x faster on GEMM1 and 1.03-1.13x on GEMM2 than 128-row ones
-    (benchmarks/results/h200_session14_checks.md §2).
+    (benchmarks/results/h200_session14_checks.md §2). Where experts average 32-63 rows and the 64-token wgmma
+    GEMMs are linked (`narrow_wgmma`), both GEMMs take them instead, in the widest weight tiles allowed: one m64n64
+    block where a 128-token tile multiplies a padding half; at 32 rows (T=1024 on DeepSeek-V3, its EP8 shard and
+    gpt-oss-120b) 1.17-1.29x faster kernels, at 64 (Qwen3 T=1024, Mixtral T=256) 0.78-0.91x, and the 32-token
+    wgmma tiles slower than either (benchmarks/results/h200_session23_checks.md).
     On a THREE_CTA_TILES tile (`three_ctas`), an unsplit GEMM whose expected CTAs fill three an SM takes THREE_CTAS:
     GEMM1 1.06-1.21x and GEMM2 1.27-1.80x there; at 256 CTAs it was 0.76-0.96x (h200_session17_checks.md).
     """
@@ -398,6 +403,8 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
         tile = WGMMA_TILE
     if wgmma and WIDE_WGMMA_TILE in tiles and per_expert >= WIDE_TILE_MIN_ROWS:
         return (WIDE_WGMMA_TILE, WGMMA, WGMMA)
+    if wgmma and 64 in narrow_wgmma and 64 in tiles and WGMMA_MIN_ROWS <= per_expert < 64:
+        return (64, *(WGMMA_WIDE if w else WGMMA for w in wide))
     # Live tiles: the expected experts hit with 50% margin (a split that overshoots one wave costs more than one
     # that undershoots gains), never more than the slots that can be local.
     hit = expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts)
@@ -505,8 +512,8 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     if routing.tile_size not in TOKEN_TILES and k_splits != (WGMMA, WGMMA):
         raise ValueError(f"k_splits {k_splits}: a {routing.tile_size}-token routing tile runs only the wgmma "
                          f"kernels, (WGMMA, WGMMA)")
-    if WGMMA_WIDE in k_splits and routing.tile_size not in (NARROW_WGMMA_TILE, WGMMA_TILE):
-        raise ValueError(f"k_splits {k_splits}: WGMMA_WIDE runs on {NARROW_WGMMA_TILE}- or {WGMMA_TILE}-token "
+    if WGMMA_WIDE in k_splits and routing.tile_size not in NARROW_WGMMA_TILES + (WGMMA_TILE,):
+        raise ValueError(f"k_splits {k_splits}: WGMMA_WIDE runs on {NARROW_WGMMA_TILES + (WGMMA_TILE,)}-token "
                          f"routing tiles, not {routing.tile_size}")
     if THREE_CTAS in k_splits and routing.tile_size not in THREE_CTA_TILES:
         raise ValueError(f"k_splits {k_splits}: THREE_CTAS runs on {THREE_CTA_TILES}-token routing tiles, not "

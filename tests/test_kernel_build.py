@@ -31,7 +31,8 @@ def test_every_shipped_kernel_compiles_for_sm90a(built_kernels):
         gemms += [f"moe_gemm1_{mode}_{kind}_t{tokens}_3cta" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
         gemms += [f"moe_gemm2_{mode}_t{tokens}_3cta" for mode in ("w4a16", "w4a4_pt", "w4a8")]
-    for suffix in ("_t64_wgmma", "_t64_wgmma_n256", "_t128_wgmma", "_t256_wgmma", "_t128_wgmma_n256"):
+    for suffix in ("_t32_wgmma", "_t32_wgmma_n256", "_t64_wgmma", "_t64_wgmma_n256", "_t128_wgmma", "_t256_wgmma",
+                   "_t128_wgmma_n256"):
         gemms += [f"moe_gemm1_{mode}_{kind}{suffix}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
         gemms += [f"moe_gemm2_{mode}{suffix}" for mode in ("w4a16", "w4a4_pt", "w4a8")]
@@ -85,7 +86,7 @@ def test_launcher_knows_the_compiled_token_tiles():
 
     assert launcher.TOKEN_TILES == stream.TOKEN_TILES
     assert launcher.THREE_CTA_TILES == stream.THREE_CTA_TILES
-    assert (launcher.NARROW_WGMMA_TILE, launcher.WGMMA_TILE, launcher.WIDE_WGMMA_TILE) == wgmma_mainloop.TILES
+    assert (*launcher.NARROW_WGMMA_TILES, launcher.WGMMA_TILE, launcher.WIDE_WGMMA_TILE) == wgmma_mainloop.TILES
 
 
 def test_launcher_table_generation_from_a_header(tmp_path):

@@ -160,24 +160,36 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     assert launcher.default_tactic(1, 8, 256, 32, 4096, 7168, tiles, 132, True, wide=(True, True)) == (8, 2, 1)
 
 
-def test_64_token_wgmma_tiles_run_both_gemms_on_wgmma_in_every_weight_width():
-    """NARROW_WGMMA_TILE: the wgmma GEMMs on 64-token routing tiles (one m64n64 block), both GEMMs, each in the
-    weight widths `wide` allows; offered only with the 128-token wgmma forward linked too."""
+def test_narrow_wgmma_tiles_run_both_gemms_on_wgmma_in_every_weight_width():
+    """NARROW_WGMMA_TILES: the wgmma GEMMs on 32- and 64-token routing tiles (one m64n32 / m64n64 block), both
+    GEMMs, each in the weight widths `wide` allows; offered only with the 128-token wgmma forward linked too."""
     from moe_ext import launcher
 
-    W, WW, N = launcher.WGMMA, launcher.WGMMA_WIDE, launcher.NARROW_WGMMA_TILE
+    W, WW = launcher.WGMMA, launcher.WGMMA_WIDE
+    narrow = launcher.NARROW_WGMMA_TILES
+    assert narrow == (32, 64)
     tiles = launcher.TOKEN_TILES
-    assert launcher.gemm1_kernel("w4a16", "swiglu", N, W) == "moe_gemm1_w4a16_swiglu_t64_wgmma"
-    assert launcher.gemm2_kernel("w4a4", N, WW) == "moe_gemm2_w4a16_t64_wgmma_n256"
+    assert launcher.gemm1_kernel("w4a16", "swiglu", 64, W) == "moe_gemm1_w4a16_swiglu_t64_wgmma"
+    assert launcher.gemm2_kernel("w4a4", 32, WW) == "moe_gemm2_w4a16_t32_wgmma_n256"
     for mixed in (True, False):
-        added = set(launcher.tactics(tiles, True, mixed=mixed, narrow_wgmma=True)) - set(
+        added = set(launcher.tactics(tiles, True, mixed=mixed, narrow_wgmma=narrow)) - set(
             launcher.tactics(tiles, True, mixed=mixed))
-        assert added == {(N, W, W)}
-        wide = set(launcher.tactics(tiles, True, mixed=mixed, wide=(True, True), narrow_wgmma=True)) - set(
+        assert added == {(32, W, W), (64, W, W)}
+        wide = set(launcher.tactics(tiles, True, mixed=mixed, wide=(True, True), narrow_wgmma=(64,))) - set(
             launcher.tactics(tiles, True, mixed=mixed, wide=(True, True)))
-        assert wide == {(N, W, W), (N, WW, W), (N, W, WW), (N, WW, WW)}
-    assert launcher.tactics(tiles, narrow_wgmma=True) == launcher.tactics(tiles)  # no 128-token wgmma forward
-    assert (N, W, W) not in launcher.tactics((8, 16, 32, 128), True, narrow_wgmma=True)  # no 64-token tile
+        assert wide == {(64, W, W), (64, WW, W), (64, W, WW), (64, WW, WW)}
+    assert launcher.tactics(tiles, narrow_wgmma=narrow) == launcher.tactics(tiles)  # no 128-token wgmma forward
+    # The default: 64-token wgmma tiles where experts average 32-63 rows (DeepSeek-V3, EP8 and gpt-oss at T=1024),
+    # in the widest weight tiles allowed; 128 from 64 rows on (Qwen3 at T=1024), streaming below 32.
+    dsv3 = (1024, 8, 256, 256, 4096, 7168, tiles, 132, True)
+    assert launcher.default_tactic(*dsv3, narrow_wgmma=narrow) == (64, W, W)
+    assert launcher.default_tactic(*dsv3, wide=(True, True), narrow_wgmma=narrow) == (64, WW, WW)
+    assert launcher.default_tactic(*dsv3, mixed=False, wide=(False, True), narrow_wgmma=narrow) == (64, W, WW)
+    assert launcher.default_tactic(*dsv3, narrow_wgmma=(32,)) == (128, W, W)  # no 64-token wgmma linked
+    assert launcher.default_tactic(1024, 8, 128, 128, 1536, 2048, tiles, 132, True, narrow_wgmma=narrow) == (
+        128, W, W)
+    assert launcher.default_tactic(512, 8, 256, 256, 4096, 7168, tiles, 132, True, narrow_wgmma=narrow)[0] == 32
+    assert (64, W, W) not in launcher.tactics((8, 16, 32, 128), True, narrow_wgmma=narrow)  # no 64-token tile
 
 
 def test_three_cta_form_is_offered_on_8_and_32_token_tiles_and_taken_where_ctas_fill_three_an_sm(monkeypatch):

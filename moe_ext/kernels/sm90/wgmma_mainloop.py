@@ -2,11 +2,11 @@
 consumers straight into the wgmma's register A operand, gathered bf16 token rows as B from shared memory, fp32
 accumulators.
 
-CTA tile: 128 weight rows (the wgmma M side, two consumer warpgroups of 64) x 64, 128 or 256 routed token rows
+CTA tile: 128 weight rows (the wgmma M side, two consumer warpgroups of 64) x 32, 64, 128 or 256 routed token rows
 (one routing tile of one local expert, in blocks of up to 128: one wgmma N each) x all of K in stages of 64,
 `stages` deep. A 256-row tile decodes each weight stage once for both blocks (twice the MMA per decode
-instruction); a 64-row tile halves the MMA of a 128-row one where experts have 32-64 rows (no padding block of
-64 token rows multiplied for nothing), for the same decode.
+instruction); 32- and 64-row tiles cut the MMA of a 128-row one where experts have fewer rows (no padding token
+rows multiplied for nothing), for the same decode.
 Persistent: `ctas` CTAs (one per SM) loop over the work items (routing tile, column tile); each role carries its
 ring states from one item to the next, so the copier fills the next item's stages while the consumers run this
 item's epilogue out of their own s_c.
@@ -58,7 +58,7 @@ WARPGROUP = 128
 ACCUMULATOR_SCALE = TWO_P63
 COPIER, FIRST_CONSUMER = 0, 1  # warpgroups
 CONSUMERS = 256
-# Token rows of one wgmma N and one s_c pass (at most; a 64-row routing tile is one 64-row block, WgmmaConfig.
+# Token rows of one wgmma N and one s_c pass (at most; a 32- or 64-row routing tile is one block, WgmmaConfig.
 # token_block); a 256-row routing tile is two such blocks sharing each decoded weight fragment (two m64n128k16 per
 # k16 block), so a stage's decode feeds twice the MMA.
 TOKEN_BLOCK = 128
@@ -67,14 +67,14 @@ TOKEN_BLOCK = 128
 # rows feed twice the MMA.
 WEIGHT_HALF = 128
 MAX_SHARED_BYTES = 227 * 1024  # opt-in dynamic shared memory of a Hopper CTA
-TILES = (64, 128, 256)  # the routing tiles the wgmma GEMMs are built for
+TILES = (32, 64, 128, 256)  # the routing tiles the wgmma GEMMs are built for
 # (routing tile, weight rows) of every wgmma GEMM built: at most two accumulators (blocks x halves) fit the registers
-SHAPES = ((64, 128), (64, 256), (128, 128), (256, 128), (128, 256))
+SHAPES = ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128), (256, 128), (128, 256))
 
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    bm: int = 128  # routed rows per CTA (= the routing tile): 64, 128 or 256
+    bm: int = 128  # routed rows per CTA (= the routing tile): 32, 64, 128 or 256
     bn: int = 128  # weight rows per CTA: 128 or 256 (two halves)
     bk: int = 64  # K per stage: 128 bytes of bf16 = one 128B-swizzle row
     stages: int = 6  # token tile + raw weight ring depth (20.5 KB a stage)
@@ -119,7 +119,7 @@ class WgmmaConfig:
         return self.bn // WEIGHT_HALF
 
     def check(self) -> None:
-        assert self.bm in TILES and self.bn in (128, 256), "the thread mappings assume 64- or 128-row blocks"
+        assert self.bm in TILES and self.bn in (128, 256), "the thread mappings assume 32- to 128-row blocks"
         assert self.blocks * self.halves <= 2, "at most two 64 x 128 fp32 accumulators a consumer thread"
         assert self.bk == 64, "one stage must be one 4-block group of the 128x4 scale layout"
         assert self.stages >= 3, "the consumers hold up to two stages (wgmma wait_group(1))"
@@ -146,10 +146,10 @@ def config_for_tile(tile: int, sf_block: int, weight_rows: int = 128) -> WgmmaCo
     """The config of a routing tile and weight tile: a 256-row routing tile holds two token blocks a stage (36.5 KB:
     4 stages with s_c) and two accumulators (setmaxnreg 56 / 224: the copier keeps 16 gather addresses); a 256-row
     weight tile two raw weight halves a stage (25 KB: 6 stages with s_c), two accumulators and two register A
-    buffers a half. A 64-row routing tile's stage is a third smaller than a 128-row one's (8 KB of tokens): 8 stages
+    buffers a half. 32- and 64-row routing tiles have smaller stages (4 or 8 KB of tokens) and s_c: more stages
     keep more weight bytes in flight in the same shared memory."""
-    if tile == 64:
-        return WgmmaConfig(bm=64, bn=weight_rows, stages=8, sf_block=sf_block)
+    if tile in (32, 64):
+        return WgmmaConfig(bm=tile, bn=weight_rows, stages=10 if tile == 32 else 8, sf_block=sf_block)
     if tile == 256:
         assert weight_rows == 128, "two token blocks and two weight halves would need four accumulators"
         return WgmmaConfig(bm=256, stages=4, copier_regs=56, consumer_regs=224, sf_block=sf_block)
@@ -564,8 +564,8 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
             item = WorkItem(cfg, w, raster, tile_to_expert, tile_to_mn_limit)
             r, half = epilogue_thread(ctid)
 
-            # The epilogue of weight half h and token block b of this item, out of s_c. A 64-row block leaves
-            # threads with r >= 64 out: their rows are at or past the tile's limit (<= row0 + bm).
+            # The epilogue of weight half h and token block b of this item, out of s_c. A 32- or 64-row block
+            # leaves threads with r >= bm out: their rows are at or past the tile's limit (<= row0 + bm).
             def finish(h, b):
                 row = item.row0 + b * cfg.token_block + r
                 n_tile = item.n_tile if cutlass.const_expr(cfg.halves == 1) else item.n_tile * cfg.halves + h
