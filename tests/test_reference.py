@@ -6,7 +6,7 @@ import zlib
 import pytest
 import torch
 from conftest import ACTIVATIONS, MODES, make_case, routing
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from oracle import oracle_moe
 
@@ -25,19 +25,25 @@ def run_oracle(case, fused):
                       case.quantized.per_token_scale)
 
 
-def assert_matches_oracle(out, expected):
+def assert_matches_oracle(out, expected, flipped_rows: int = 0):
     """fp32 (reference) and fp64 (oracle) sums differ in the last bits; rarely that moves a value across a
     rounding point of the FC2-input quantizer and flips one code. A wrong formula gives errors of order one.
     Checked case: 2 of 1000 seeds of w4a4_pt-relu2-fused-EP(4,2) exceed the bound (870: 9.8e-3). In seed 870 exactly
     one of token 3's 128 FC2-input values rounds to another bf16 in fp32 than in fp64, its e2m1 code moves one step
     (a third of the value), and every other output row matches exactly; with 7 tokens and sparse Relu2 rows that
-    one code is 1% of the output's norm. The seeds below avoid such draws; the bound stays."""
+    one code is 1% of the output's norm. The seeds below avoid such draws; the bound stays. Random draws
+    (the property test) allow `flipped_rows` output rows outside the element tolerance: one such code spreads over
+    its token's whole row (hypothesis found w4a4-relu2, 9 tokens, seed 65536: 45 of token 0's 256 elements, every
+    other row exact), while a wrong formula moves every row."""
     out = out.double()
     assert torch.isfinite(out).all()
     rel = (out - expected).norm() / expected.norm().clamp_min(1e-30)
     assert rel < 5e-3, f"relative L2 error {rel:.2e}"
-    close = ((out - expected).abs() <= 2 ** -7 * expected.abs() + 1e-3 * expected.abs().max()).float().mean()
-    assert close > 0.99, f"only {close:.4f} of elements within tolerance"
+    close = (out - expected).abs() <= 2 ** -7 * expected.abs() + 1e-3 * expected.abs().max()
+    rows = close.reshape(close.shape[0], -1).float().mean(1)
+    if flipped_rows:
+        rows = rows.sort().values[flipped_rows:]
+    assert rows.numel() == 0 or rows.mean() > 0.99, f"only {rows.mean():.4f} of elements within tolerance"
 
 
 EP_SETTINGS = [(1, 0), (4, 0), (4, 2), (4, 3)]
@@ -57,6 +63,8 @@ def test_reference_matches_float64_oracle(mode, act, fused, ep):
 
 
 @settings(max_examples=25, deadline=None)
+@example(mode="w4a4", act="relu2", fused=False, num_tokens=9, top_k=2, hidden=256, inter=256, seed=65536,
+         invalid=0.0)  # one FC2-input code flipped by fp32 vs fp64 rounding (assert_matches_oracle)
 @given(mode=st.sampled_from(list(MODES)), act=st.sampled_from(["swiglu", "relu2", "geglu_tanh"]),
        fused=st.booleans(), num_tokens=st.integers(1, 12), top_k=st.integers(1, 4),
        hidden=st.sampled_from([128, 256]), inter=st.sampled_from([128, 256]), seed=st.integers(0, 2 ** 16),
@@ -69,7 +77,7 @@ def test_reference_property_random_layers(mode, act, fused, num_tokens, top_k, h
     if invalid == 1.0:
         assert torch.equal(out, torch.zeros_like(out)), "tokens with no local expert must be zero"
     else:
-        assert_matches_oracle(out, expected)
+        assert_matches_oracle(out, expected, flipped_rows=1)
 
 
 def test_non_local_slots_contribute_exactly_zero():
