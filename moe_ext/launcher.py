@@ -260,9 +260,9 @@ WGMMA_MIN_ROWS = 32  # expected rows per local expert from which the default tac
 # experts with 512+ rows on average (wgmma_mainloop.TOKEN_BLOCK).
 WIDE_WGMMA_TILE = 256
 WIDE_TILE_MIN_ROWS = 512
-# The "split" of a GEMM that selects its wgmma kernel with 256-row weight tiles (32- to 128-token routing tiles): two weight
-# halves share each gathered token stage, halving the token rows a CTA reads per MMA. The GEMM's weight rows (of
-# one launch) must be a multiple of 256.
+# The "split" of a GEMM that selects its wgmma kernel with 256-row weight tiles (32- to 128-token routing tiles): two
+# weight halves share each gathered token stage, halving the token rows a CTA reads per MMA. The GEMM's weight rows
+# (of one launch) must be a multiple of 256.
 WGMMA_WIDE = -1
 WIDE_WEIGHT_ROWS = 256
 # The "split" of a GEMM that selects its streaming kernel's three-CTAs-an-SM form, no K split (8- and 32-token
