@@ -255,6 +255,25 @@ def test_a_wgmma_split_launches_that_gemms_wgmma_kernel_unsplit(monkeypatch, k_s
 
 
 
+@pytest.mark.parametrize("tile", [32, 64])
+@pytest.mark.parametrize("k_splits", [(0, 0), (-1, 0), (-1, -1)])
+def test_narrow_wgmma_tiles_launch_their_own_wgmma_kernels(monkeypatch, tile, k_splits):
+    """32- and 64-token routing tiles run the wgmma GEMMs built for them (one m64n32 / m64n64 block a tile), in
+    the 256-weight-row form where the split is WGMMA_WIDE, each passed K split 1."""
+    _, calls, _, _ = fake_forward(monkeypatch, "w4a16", True, tile=tile, k_splits=k_splits)
+    gemms = [c for c in calls if c[0].startswith("moe_gemm")]
+    suffixes = ["_wgmma_n256" if s == launcher.WGMMA_WIDE else "_wgmma" for s in k_splits]
+    assert [c[0] for c in gemms] == [f"moe_gemm1_w4a16_swiglu_t{tile}{suffixes[0]}",
+                                     f"moe_gemm2_w4a16_t{tile}{suffixes[1]}"]
+    assert all(c[2][-1] == 1 for c in gemms)
+
+
+@pytest.mark.parametrize("tile", [8, 16])
+def test_wgmma_wide_is_refused_on_streaming_only_tiles(monkeypatch, tile):
+    with pytest.raises(ValueError, match="WGMMA_WIDE runs on"):
+        fake_forward(monkeypatch, "w4a16", True, tile=tile, k_splits=(launcher.WGMMA_WIDE, launcher.WGMMA))
+
+
 @pytest.mark.parametrize("mode,per_token", [("w4a4", False), ("w4a4", True), ("w4a8", False)])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("family", ["wgmma", "streaming"])
