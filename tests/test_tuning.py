@@ -161,20 +161,20 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
 
 
 def test_narrow_wgmma_tiles_run_both_gemms_on_wgmma_in_every_weight_width():
-    """NARROW_WGMMA_TILES: the wgmma GEMMs on 32- and 64-token routing tiles (one m64n32 / m64n64 block), both
-    GEMMs, each in the weight widths `wide` allows; offered only with the 128-token wgmma forward linked too."""
+    """NARROW_WGMMA_TILES: the wgmma GEMMs on 64-token routing tiles (one m64n64 block), both GEMMs, each in the
+    weight widths `wide` allows; offered only with the 128-token wgmma forward linked too."""
     from moe_ext import launcher
 
     W, WW = launcher.WGMMA, launcher.WGMMA_WIDE
     narrow = launcher.NARROW_WGMMA_TILES
-    assert narrow == (32, 64)
+    assert narrow == (64,)
     tiles = launcher.TOKEN_TILES
     assert launcher.gemm1_kernel("w4a16", "swiglu", 64, W) == "moe_gemm1_w4a16_swiglu_t64_wgmma"
-    assert launcher.gemm2_kernel("w4a4", 32, WW) == "moe_gemm2_w4a16_t32_wgmma_n256"
+    assert launcher.gemm2_kernel("w4a4", 64, WW) == "moe_gemm2_w4a16_t64_wgmma_n256"
     for mixed in (True, False):
         added = set(launcher.tactics(tiles, True, mixed=mixed, narrow_wgmma=narrow)) - set(
             launcher.tactics(tiles, True, mixed=mixed))
-        assert added == {(32, W, W), (64, W, W)}
+        assert added == {(64, W, W)}
         wide = set(launcher.tactics(tiles, True, mixed=mixed, wide=(True, True), narrow_wgmma=(64,))) - set(
             launcher.tactics(tiles, True, mixed=mixed, wide=(True, True)))
         assert wide == {(64, W, W), (64, WW, W), (64, W, WW), (64, WW, WW)}
@@ -185,7 +185,7 @@ def test_narrow_wgmma_tiles_run_both_gemms_on_wgmma_in_every_weight_width():
     assert launcher.default_tactic(*dsv3, narrow_wgmma=narrow) == (64, W, W)
     assert launcher.default_tactic(*dsv3, wide=(True, True), narrow_wgmma=narrow) == (64, WW, WW)
     assert launcher.default_tactic(*dsv3, mixed=False, wide=(False, True), narrow_wgmma=narrow) == (64, W, WW)
-    assert launcher.default_tactic(*dsv3, narrow_wgmma=(32,)) == (128, W, W)  # no 64-token wgmma linked
+    assert launcher.default_tactic(*dsv3, narrow_wgmma=()) == (128, W, W)  # no 64-token wgmma linked
     assert launcher.default_tactic(1024, 8, 128, 128, 1536, 2048, tiles, 132, True, narrow_wgmma=narrow) == (
         128, W, W)
     assert launcher.default_tactic(512, 8, 256, 256, 4096, 7168, tiles, 132, True, narrow_wgmma=narrow)[0] == 32
