@@ -154,7 +154,8 @@ def flat(t: torch.Tensor) -> torch.Tensor:
     return f if f.numel() < 2 ** 31 else f[:2 ** 31 - 1]  # the kernels use the base pointer and 64-bit offsets
 
 
-def make_layer(name: str, tokens: int, tile: int, rotations: int, seed: int, split_factor: int = 1) -> Layer:
+def make_layer(name: str, tokens: int, tile: int, rotations: int, seed: int, split_factor: int = 1,
+               experts_hit: int | None = None) -> Layer:
     from moe_ext import launcher
     from moe_ext.quant import swizzle_sf
     from moe_ext.routing import compute_routing
@@ -175,8 +176,14 @@ def make_layer(name: str, tokens: int, tile: int, rotations: int, seed: int, spl
     x = torch.randn(tokens, hidden, generator=gen, device=dev).to(torch.bfloat16)
     scales = torch.rand(tokens * top_k, generator=gen, device=dev).float()
     routings, inters, slots = [], [], []
+    if experts_hit is not None and not top_k <= experts_hit <= local:
+        raise ValueError(f"--experts-hit must be in [top_k, local experts] = [{top_k}, {local}], got {experts_hit}")
     for _ in range(rotations):
         ids = torch.rand(tokens, experts, generator=gen, device=dev).topk(top_k, dim=1).indices.to(torch.int32)
+        if experts_hit is not None:  # every token's experts drawn from one random set of experts_hit local ones
+            chosen = torch.randperm(local, generator=gen, device=dev)[:experts_hit]
+            pick = torch.rand(tokens, experts_hit, generator=gen, device=dev).topk(top_k, dim=1).indices
+            ids = chosen[pick].to(torch.int32)
         r = compute_routing(ids, local, 0, tile)
         routings.append(r)
         inters.append(torch.zeros(r.permuted_to_expanded.numel() * inter, dtype=torch.bfloat16, device=dev))
@@ -245,6 +252,9 @@ def main():
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--tile", type=int, default=8, help="routing tile (tokens per CTA) of the kernels timed")
     parser.add_argument("--rotations", type=int, default=16)
+    parser.add_argument("--experts-hit", type=int, default=None,
+                        help="route every token to experts of one random set of this many local experts (a "
+                             "launch's live tiles, so its CTA count against the SMs' slots: whole or partial waves)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--split-factor", type=int, default=1,
                         help="multiply the heuristic's K splits (for configurations that fit two CTAs per SM)")
@@ -259,8 +269,8 @@ def main():
 
     tile = args.tile
     dummies = {"f32": torch.zeros(4, dtype=torch.float32, device="cuda")}
-    layers = [make_layer(name, args.tokens, tile, args.rotations, seed=7, split_factor=args.split_factor)
-              for name in args.shapes.split(",")]
+    layers = [make_layer(name, args.tokens, tile, args.rotations, seed=7, split_factor=args.split_factor,
+                         experts_hit=args.experts_hit) for name in args.shapes.split(",")]
     rev = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=40"], capture_output=True,
                          text=True).stdout.strip()
     variants = args.variants.split(",")
@@ -305,7 +315,8 @@ def main():
             n = len(layer.routings)
             us1 = time_graph(lambda: [run_gemm1(g1, layer, i, dummies, args.pdl) for i in range(n)], args.iters) / n
             us2 = time_graph(lambda: [run_gemm2(g2, layer, i, dummies, args.pdl) for i in range(n)], args.iters) / n
-            rec = dict(variant=variant, shape=layer.name, T=args.tokens, tile=tile, splits=layer.splits, pdl=args.pdl,
+            rec = dict(variant=variant, shape=layer.name, T=args.tokens, experts_hit=args.experts_hit, tile=tile,
+                       splits=layer.splits, pdl=args.pdl,
                        gemm1_us=round(us1, 2), gemm2_us=round(us2, 2), bitwise_equal_to_default=equal,
                        rel_l2_to_default=rel_l2,
                        config=[dataclasses.asdict(c) for c in cfg], git_rev=rev, command=" ".join(sys.argv))
