@@ -179,8 +179,9 @@ def make_layer(name: str, tokens: int, tile: int, rotations: int, seed: int, spl
     if experts_hit is not None and not top_k <= experts_hit <= local:
         raise ValueError(f"--experts-hit must be in [top_k, local experts] = [{top_k}, {local}], got {experts_hit}")
     for _ in range(rotations):
-        ids = torch.rand(tokens, experts, generator=gen, device=dev).topk(top_k, dim=1).indices.to(torch.int32)
-        if experts_hit is not None:  # every token's experts drawn from one random set of experts_hit local ones
+        if experts_hit is None:
+            ids = torch.rand(tokens, experts, generator=gen, device=dev).topk(top_k, dim=1).indices.to(torch.int32)
+        else:  # every token's experts drawn from one random set of experts_hit local ones
             chosen = torch.randperm(local, generator=gen, device=dev)[:experts_hit]
             pick = torch.rand(tokens, experts_hit, generator=gen, device=dev).topk(top_k, dim=1).indices
             ids = chosen[pick].to(torch.int32)

@@ -359,7 +359,6 @@ def tactics(tiles: tuple, wgmma: bool = False, mixed: bool = True, wide: tuple =
         out += [(WGMMA_TILE, s1, s2) for s1 in firsts for s2 in seconds if WGMMA_WIDE in (s1, s2)]
     if wgmma:
         out += [(t, s1, s2) for t in narrow_wgmma if t in tiles for s1 in firsts for s2 in seconds]
-    if wgmma:
         out += [(t, WGMMA, WGMMA) for t in tiles if t not in TOKEN_TILES]
     return out
 
@@ -403,8 +402,9 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
         tile = WGMMA_TILE
     if wgmma and WIDE_WGMMA_TILE in tiles and per_expert >= WIDE_TILE_MIN_ROWS:
         return (WIDE_WGMMA_TILE, WGMMA, WGMMA)
-    if wgmma and 64 in narrow_wgmma and 64 in tiles and WGMMA_MIN_ROWS <= per_expert < 64:
-        return (64, *(WGMMA_WIDE if w else WGMMA for w in wide))
+    fitting = [t for t in narrow_wgmma if t in tiles and per_expert < t]
+    if wgmma and fitting and per_expert >= WGMMA_MIN_ROWS:
+        return (min(fitting), *(WGMMA_WIDE if w else WGMMA for w in wide))
     # Live tiles: the expected experts hit with 50% margin (a split that overshoots one wave costs more than one
     # that undershoots gains), never more than the slots that can be local.
     hit = expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts)
@@ -512,9 +512,10 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     if routing.tile_size not in TOKEN_TILES and k_splits != (WGMMA, WGMMA):
         raise ValueError(f"k_splits {k_splits}: a {routing.tile_size}-token routing tile runs only the wgmma "
                          f"kernels, (WGMMA, WGMMA)")
-    if WGMMA_WIDE in k_splits and routing.tile_size not in NARROW_WGMMA_TILES + (WGMMA_TILE,):
-        raise ValueError(f"k_splits {k_splits}: WGMMA_WIDE runs on {NARROW_WGMMA_TILES + (WGMMA_TILE,)}-token "
-                         f"routing tiles, not {routing.tile_size}")
+    wide_tiles = NARROW_WGMMA_TILES + (WGMMA_TILE,)
+    if WGMMA_WIDE in k_splits and routing.tile_size not in wide_tiles:
+        raise ValueError(f"k_splits {k_splits}: WGMMA_WIDE runs on {wide_tiles}-token routing tiles, not "
+                         f"{routing.tile_size}")
     if THREE_CTAS in k_splits and routing.tile_size not in THREE_CTA_TILES:
         raise ValueError(f"k_splits {k_splits}: THREE_CTAS runs on {THREE_CTA_TILES}-token routing tiles, not "
                          f"{routing.tile_size}")

@@ -28,6 +28,9 @@ from . import activations, ptx, quantize
 from . import stream as streaming
 
 MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
+# FC2-input values one epilogue task finishes (both GEMM1 families): a scale block in w4a4 / w4a8, one 16-byte store
+# of bf16 otherwise.
+EPILOGUE_GROUP = {"w4a16": 8, "w4a4": 16, "w4a4_pt": 8, "w4a8": 32}
 
 
 def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig | None = None):
@@ -37,7 +40,7 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
     b_block = 32 if mode == "w4a8" else 16
     cfg = cfg or streaming.config_for(tokens, 1)
 
-    group = {"w4a4": 16, "w4a8": 32}.get(mode, 8)  # FC2-input values an epilogue thread finishes
+    group = EPILOGUE_GROUP[mode]
 
     def store_fc2_input(s_c, a_row, c0, row, col0, permuted_to_expanded, top_k, alpha, per_token_scale,
                         fc2_input_scale, out_bf16, inter, params):

@@ -28,9 +28,7 @@ from cutlass import Float32, Int32, Int64
 from . import activations, gemm1, ptx, quantize
 from . import wgmma_mainloop as mainloop
 
-MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
-# Values quantized together (one scale block) in the epilogue; bf16 outputs go 8 at a time (one 16-byte store).
-_GROUP = {"w4a16": 8, "w4a4": 16, "w4a4_pt": 8, "w4a8": 32}
+MODES = gemm1.MODES
 
 
 def config_for(mode: str, tile: int = 128, weight_rows: int = 128) -> mainloop.WgmmaConfig:
@@ -45,7 +43,7 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
     gated = kind != "relu2"
     width = mainloop.WEIGHT_HALF // 2 if gated else mainloop.WEIGHT_HALF  # intermediate columns of one s_c pass
     per_thread = width // 2
-    group = _GROUP[mode]
+    group = gemm1.EPILOGUE_GROUP[mode]
 
     @cute.kernel
     def gemm1_wgmma_kernel(x_bf16: cute.Tensor, per_token_scale: cute.Tensor,
