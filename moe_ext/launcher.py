@@ -182,10 +182,11 @@ def _weight_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def route(token_selected_experts: torch.Tensor, num_local_experts: int, local_expert_offset: int,
-          out: Routing, enable_pdl: bool = True, decode: tuple | None = None) -> Routing:
+          out: Routing, enable_pdl: bool = True, decode: tuple | None = None, k_permuted: bool = False) -> Routing:
     """Fill `out` (sized by allocate_routing or a workspace) with the routing maps, on the current stream.
-    decode = (format, x, x_sf, x_out): the same launch also decodes the NVFP4 / MXFP8 activations (checked flat
-    views) into the bf16 x_out, for GEMM1 (moe_ext/kernels/sm90/routing.py)."""
+    decode = (format, x, x_sf, x_out): the same launch also decodes the NVFP4 / MXFP8 activations, or copies bf16
+    ones (format "bf16"), checked flat views, into the bf16 x_out for GEMM1, in the wgmma GEMMs' K order where
+    `k_permuted` (moe_ext/kernels/sm90/routing.py)."""
     ids = token_selected_experts
     device = ids.device
     if ids.dtype != torch.int32 or ids.dim() != 2 or device.type != "cuda":
@@ -208,10 +209,12 @@ def route(token_selected_experts: torch.Tensor, num_local_experts: int, local_ex
         _check("num_live_tiles", out.num_live_tiles, i32, device, 1),
     ]
     name = "moe_routing"
+    scalars = [num_local_experts, local_expert_offset, out.tile_size]
     if decode is not None:
         name = f"moe_routing_decode_{decode[0]}"
         tensors += list(decode[1:])
-    launch(name, tensors, [num_local_experts, local_expert_offset, out.tile_size], enable_pdl, device)
+        scalars.append(int(k_permuted))
+    launch(name, tensors, scalars, enable_pdl, device)
     return out
 
 ACTIVATION_KIND = {"swiglu": 0, "situ": 1, "geglu_tanh": 2, "relu2": 3}
@@ -248,8 +251,8 @@ def token_tiles(mode: str, kind: str) -> tuple:
 
 K_SPLITS = (1, 2, 4)  # CTAs of a cluster that share one GEMM tile's K steps (cluster split-K)
 # The "split" of a GEMM that selects its warp-specialised wgmma kernel (gemm1_wgmma.py, gemm2_wgmma.py):
-# 128-token tiles, bf16 operands, no K split. In the quantized modes both GEMMs take wgmma or neither does: both
-# families read the same decoded bf16 operands, so a mixed pair would run, but it was never measured.
+# 128-token tiles, bf16 operands, no K split. Both GEMMs take wgmma or neither does: the wgmma GEMMs read their
+# token operands in their own K order (x from the routing launch, the FC2 input from the wgmma GEMM1).
 WGMMA = 0
 WGMMA_TILE = 128
 # 64-token routing tiles run the wgmma GEMMs too, both GEMMs, as (64, WGMMA or WGMMA_WIDE, WGMMA or WGMMA_WIDE):
@@ -305,7 +308,7 @@ def wide_weights(mode: str, kind: str, n1: int, hidden: int) -> tuple[bool, bool
 def kernel_forms(mode: str, kind: str, n1: int, hidden: int) -> dict:
     """What the linked kernels of this kernel mode and activation offer GEMMs of n1 (GEMM1) and hidden (GEMM2)
     weight rows a launch: the keyword arguments of tactics() and default_tactic() beyond the tiles."""
-    return dict(wgmma=has_wgmma(mode, kind), mixed=mode == "w4a16", wide=wide_weights(mode, kind, n1, hidden),
+    return dict(wgmma=has_wgmma(mode, kind), wide=wide_weights(mode, kind, n1, hidden),
                 three_ctas=has_three_ctas(mode, kind), narrow_wgmma=narrow_wgmma_tiles(mode, kind))
 
 
@@ -319,9 +322,11 @@ def has_three_ctas(mode: str, kind: str) -> bool:
 @functools.lru_cache(maxsize=None)
 def has_wgmma(mode: str, kind: str) -> bool:
     """Whether the wgmma forward of this kernel mode and activation is linked: both wgmma GEMMs and the 128-token
-    tile's other kernels (streaming_tiles, which also asks for the mode's routing launch and quantizer)."""
+    tile's other kernels (streaming_tiles, which also asks for the mode's routing launch and quantizer; w4a16 also
+    needs the routing launch that copies x into the wgmma K order)."""
     return (WGMMA_TILE in streaming_tiles(mode, kind) and has_kernel(gemm1_kernel(mode, kind, WGMMA_TILE, WGMMA))
-            and has_kernel(gemm2_kernel(mode, WGMMA_TILE, WGMMA)))
+            and has_kernel(gemm2_kernel(mode, WGMMA_TILE, WGMMA))
+            and (mode != "w4a16" or has_kernel("moe_routing_decode_bf16")))
 
 
 @functools.lru_cache(maxsize=None)
@@ -334,25 +339,20 @@ def narrow_wgmma_tiles(mode: str, kind: str) -> tuple:
                  and has_kernel(gemm1_kernel(mode, kind, t, WGMMA)) and has_kernel(gemm2_kernel(mode, t, WGMMA)))
 
 
-def tactics(tiles: tuple, wgmma: bool = False, mixed: bool = True, wide: tuple = (False, False),
-            three_ctas: bool = False, narrow_wgmma: tuple = ()) -> list[tuple]:
-    """Hopper tactics: (routing tile, GEMM1 K split or WGMMA, GEMM2 K split or WGMMA). mixed=False (the quantized
-    modes): WGMMA only as (WGMMA_TILE, WGMMA, WGMMA). A tile outside TOKEN_TILES (WIDE_WGMMA_TILE) runs only as
-    (tile, WGMMA, WGMMA). `wide` (wide_weights): the GEMMs that may take WGMMA_WIDE, on 128-token tiles with the
-    other GEMM on a wgmma kernel too. `three_ctas` (has_three_ctas): on THREE_CTA_TILES, either GEMM may take
-    THREE_CTAS in place of a K split. `narrow_wgmma` (narrow_wgmma_tiles): these streaming tiles also run both
-    GEMMs on wgmma kernels (either of them WGMMA_WIDE where `wide` allows)."""
+def tactics(tiles: tuple, wgmma: bool = False, wide: tuple = (False, False), three_ctas: bool = False,
+            narrow_wgmma: tuple = ()) -> list[tuple]:
+    """Hopper tactics: (routing tile, GEMM1 K split or WGMMA, GEMM2 K split or WGMMA); WGMMA on both GEMMs or neither. A
+    tile outside TOKEN_TILES (WIDE_WGMMA_TILE) runs only as (tile, WGMMA, WGMMA). `wide` (wide_weights): the GEMMs that
+    may take WGMMA_WIDE on 128-token tiles. `three_ctas` (has_three_ctas): on THREE_CTA_TILES, either GEMM may take
+    THREE_CTAS in place of a K split. `narrow_wgmma` (narrow_wgmma_tiles): these streaming tiles also run both GEMMs on
+    wgmma kernels (either of them WGMMA_WIDE where `wide` allows)."""
 
     def forms(t: int) -> tuple:
         return K_SPLITS + (THREE_CTAS,) if three_ctas and t in THREE_CTA_TILES else K_SPLITS
 
     out = [(t, s1, s2) for t in tiles if t in TOKEN_TILES for s1 in forms(t) for s2 in forms(t)]
     if wgmma and WGMMA_TILE in tiles:
-        if mixed:
-            out += [(WGMMA_TILE, s1, s2) for s1 in K_SPLITS + (WGMMA,) for s2 in K_SPLITS + (WGMMA,)
-                    if WGMMA in (s1, s2)]
-        else:
-            out.append((WGMMA_TILE, WGMMA, WGMMA))
+        out.append((WGMMA_TILE, WGMMA, WGMMA))
     firsts = (WGMMA, WGMMA_WIDE) if wide[0] else (WGMMA,)
     seconds = (WGMMA, WGMMA_WIDE) if wide[1] else (WGMMA,)
     if wgmma and WGMMA_TILE in tiles:
@@ -364,8 +364,8 @@ def tactics(tiles: tuple, wgmma: bool = False, mixed: bool = True, wide: tuple =
 
 
 def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, n1: int, hidden: int,
-                   tiles: tuple, num_sms: int, wgmma: bool = False, mixed: bool = True,
-                   wide: tuple = (False, False), three_ctas: bool = False, narrow_wgmma: tuple = ()) -> tuple:
+                   tiles: tuple, num_sms: int, wgmma: bool = False, wide: tuple = (False, False),
+                   three_ctas: bool = False, narrow_wgmma: tuple = ()) -> tuple:
     """The heuristic for untuned shapes.
 
     Tile: up to 64, the smallest with room for twice an expert's average rows. Decode streams an expert's weights
@@ -377,19 +377,18 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     K split: the CTAs one GEMM would launch (expected live tiles under uniform routing x N / 128) are doubled by
     splitting K across a cluster while they still fit one per SM, so a decode step with few experts hit still
     streams from every SM.
-    With the wgmma kernels linked, every shape whose experts average WGMMA_MIN_ROWS+ rows takes them on 128-token
-    tiles (a GEMM that would split K keeps the streaming kernel): session 4 measured them 1.16-1.61x faster than the
-    best streaming tile at 16-64 rows per expert (benchmarks/results/h200_session4_checks.md); since the streaming
-    kernels' three-CTA forms, the tuner keeps 16-token streaming tiles at 16 rows (Qwen3 T=256, Mixtral T=64:
-    Mixtral's wgmma default 589 µs against 474) and wgmma from 32 (h200.json, sessions 16-17). In the quantized
-    modes (mixed=False) the two GEMMs take wgmma together, when neither would split K. Where both GEMMs run wgmma
-    on 128-token tiles, each GEMM whose weight rows allow it (`wide`, wide_weights) takes 256-row weight tiles: at
-    T = 4096 (128-256 rows per expert) 1.04-1.14x faster on GEMM1 and 1.03-1.13x on GEMM2 than 128-row ones
-    (benchmarks/results/h200_session14_checks.md §2). Where experts average 32-63 rows and the 64-token wgmma
-    GEMMs are linked (`narrow_wgmma`), both GEMMs take them instead, in the widest weight tiles allowed: one m64n64
-    block where a 128-token tile multiplies a padding half; at 32 rows (T=1024 on DeepSeek-V3, its EP8 shard and
-    gpt-oss-120b) 1.17-1.29x faster kernels, at 64 (Qwen3 T=1024, Mixtral T=256) 0.78-0.91x; 32-token wgmma tiles
-    (not built) were slower than either (benchmarks/results/h200_session23_checks.md).
+    With the wgmma kernels linked, every shape whose experts average WGMMA_MIN_ROWS+ rows takes them on 128-token tiles
+    (both GEMMs, unless either would split K: then both stream): session 4 measured them 1.16-1.61x faster than the best
+    streaming tile at 16-64 rows per expert (benchmarks/results/h200_session4_checks.md); since the streaming kernels'
+    three-CTA forms, the tuner keeps 16-token streaming tiles at 16 rows (Qwen3 T=256, Mixtral T=64: Mixtral's wgmma
+    default 589 µs against 474) and wgmma from 32 (h200.json, sessions 16-17). Where both GEMMs run wgmma on 128-token
+    tiles, each GEMM whose weight rows allow it (`wide`, wide_weights) takes 256-row weight tiles: at T = 4096 (128-256
+    rows per expert) 1.04-1.14x faster on GEMM1 and 1.03-1.13x on GEMM2 than 128-row ones
+    (benchmarks/results/h200_session14_checks.md §2). Where experts average 32-63 rows and the 64-token wgmma GEMMs are
+    linked (`narrow_wgmma`), both GEMMs take them instead, in the widest weight tiles allowed: one m64n64 block where a
+    128-token tile multiplies a padding half; at 32 rows (T=1024 on DeepSeek-V3, its EP8 shard and gpt-oss-120b)
+    1.17-1.29x faster kernels, at 64 (Qwen3 T=1024, Mixtral T=256) 0.78-0.91x; 32-token wgmma tiles (not built) were
+    slower than either (benchmarks/results/h200_session23_checks.md).
     On a THREE_CTA_TILES tile (`three_ctas`), an unsplit GEMM whose expected CTAs fill three an SM takes THREE_CTAS:
     GEMM1 1.06-1.21x and GEMM2 1.27-1.80x there; at 256 CTAs it was 0.76-0.96x (h200_session17_checks.md).
     """
@@ -417,9 +416,7 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
         return max(s for s in K_SPLITS if s == 1 or ctas * s <= num_sms)
 
     splits = (split(n1), split(hidden))
-    if wgmma and tile == WGMMA_TILE and (mixed or splits == (1, 1)):
-        splits = tuple(WGMMA if s == 1 else s for s in splits)
-    if splits == (WGMMA, WGMMA):
+    if wgmma and tile == WGMMA_TILE and splits == (1, 1):
         splits = tuple(WGMMA_WIDE if w else WGMMA for w in wide)
     return (tile, *splits)
 
@@ -445,9 +442,9 @@ def activation_params(activation) -> tuple[float, float, float, float]:
 
 @dataclass
 class KernelBuffers:
-    """Scratch of one kernel forward, flat: the activations decoded to bf16 (quantized modes), the FC2 input (bf16;
-    in the quantized modes its quantization decoded), per-row FC2 scales (per-token mode) and the per-slot expert
-    outputs the finalize kernel combines."""
+    """Scratch of one kernel forward, flat: the activations as GEMM1 reads them (bf16: decoded in the quantized
+    modes, in the wgmma K order for the wgmma GEMMs), the FC2 input (bf16; in the quantized modes its quantization
+    decoded), per-row FC2 scales (per-token mode) and the per-slot expert outputs the finalize kernel combines."""
 
     x_decoded: torch.Tensor
     intermediate_bf16: torch.Tensor
@@ -458,7 +455,7 @@ class KernelBuffers:
     def sizes(quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int) -> dict:
         """Element counts of each buffer (0 where the mode does not use it)."""
         return dict(
-            x_decoded=tokens * hidden if quant_mode != "w4a16" else 0,
+            x_decoded=tokens * hidden,
             intermediate_bf16=rows * inter,
             row_scale=rows if quant_mode == "w4a4" else 0,
             slot_output=tokens * top_k * hidden,
@@ -507,8 +504,8 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     block = problem.sf_block
     fused = problem.use_fused_finalize
     wgmma = is_wgmma(k_splits[0])
-    if mode != "w4a16" and wgmma != is_wgmma(k_splits[1]):
-        raise ValueError(f"k_splits {k_splits}: in {mode} both GEMMs run the wgmma kernels or neither does")
+    if wgmma != is_wgmma(k_splits[1]):  # the wgmma GEMMs' token operands are in their K order (routing.py)
+        raise ValueError(f"k_splits {k_splits}: both GEMMs run the wgmma kernels or neither does")
     if routing.tile_size not in TOKEN_TILES and k_splits != (WGMMA, WGMMA):
         raise ValueError(f"k_splits {k_splits}: a {routing.tile_size}-token routing tile runs only the wgmma "
                          f"kernels, (WGMMA, WGMMA)")
@@ -526,13 +523,17 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     buf = {name: _check(name, getattr(buffers, name)[:n], getattr(buffers, name).dtype, device, n, 16) if n
            else dummy[getattr(buffers, name).dtype] for name, n in sizes.items()}
     decode = None
-    if problem.quant_mode == "w4a16":
+    if problem.quant_mode == "w4a16" and wgmma:  # the routing launch copies x into the wgmma K order
+        x_bf16 = buf["x_decoded"]
+        decode = ("bf16", _check("x", problem.x.view(u8), u8, device, T * H * 2, 16), dummy[u8], x_bf16)
+    elif problem.quant_mode == "w4a16":
         x_bf16 = _check("x", problem.x, bf16, device, T * H, 16)
     else:  # the routing launch decodes x, once, for GEMM1
         x_q = _check("x", problem.x.view(u8), u8, device, T * H // (2 if problem.quant_mode == "w4a4" else 1), 16)
         x_bf16 = buf["x_decoded"]
         decode = (X_FORMAT[mode], x_q, _check("x_sf", problem.x_sf, u8, device, T * H // block), x_bf16)
-    route(problem.token_selected_experts, E, problem.local_expert_offset, routing, enable_pdl, decode=decode)
+    route(problem.token_selected_experts, E, problem.local_expert_offset, routing, enable_pdl, decode=decode,
+          k_permuted=wgmma)
     maps = [routing.permuted_to_expanded, routing.tile_to_expert, routing.tile_to_mn_limit, routing.num_live_tiles]
     fc2_scale = problem.fc2_input_scale if problem.fc2_input_scale is not None else dummy[f32]
     pts = (_check("per_token_scale", problem.per_token_scale, f32, device, T) if problem.per_token_scale is not None
@@ -589,7 +590,7 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     on_parts(gemm1)
     if mode == "w4a4_pt":  # GEMM2 reads the quantization decoded, in place of h
         launch("moe_fc2_quant_per_token", [buf["intermediate_bf16"], routing.permuted_to_expanded, fc2_scale,
-                                           buf["row_scale"]], [I], enable_pdl, device)
+                                           buf["row_scale"]], [I, int(wgmma)], enable_pdl, device)
     if fused and aux is not None:
         call(aux.join)
     on_parts(gemm2)

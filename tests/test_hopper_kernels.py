@@ -39,9 +39,8 @@ def check_against_reference(case, fused, every_tile=True, **over):
         chosen = [(tiles[0], 1, 1), (tiles[-1], 2, 4)]
     W = launcher.WGMMA
     WW = launcher.WGMMA_WIDE
-    wgmma = [t for t in [(launcher.WGMMA_TILE, W, 1), (launcher.WGMMA_TILE, 2, W), (launcher.WGMMA_TILE, W, W),
-                         (launcher.WIDE_WGMMA_TILE, W, W), (launcher.WGMMA_TILE, WW, WW), (64, W, W), (64, WW, WW)]
-             if t in HOPPER.tactics(problem)]  # the wgmma GEMMs: each and both (w4a16), both (quantized modes)
+    wgmma = [t for t in [(launcher.WGMMA_TILE, W, W), (launcher.WIDE_WGMMA_TILE, W, W), (launcher.WGMMA_TILE, WW, WW),
+                         (64, W, W), (64, WW, WW)] if t in HOPPER.tactics(problem)]  # the wgmma GEMMs (both)
     assert (launcher.WGMMA_TILE, W, W) in wgmma, "every mode links the wgmma GEMMs"  # and the 256 ones, when built
     assert (64, W, W) in wgmma, "every mode links the 64-token wgmma GEMMs"
     chosen += wgmma

@@ -36,7 +36,7 @@ def test_every_shipped_kernel_compiles_for_sm90a(built_kernels):
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
         gemms += [f"moe_gemm2_{mode}{suffix}" for mode in ("w4a16", "w4a4_pt", "w4a8")]
     assert names == ["moe_routing", *gemms, "moe_routing_decode_nvfp4", "moe_routing_decode_mxfp8",
-                     "moe_fc2_quant_per_token", "moe_finalize"]
+                     "moe_routing_decode_bf16", "moe_fc2_quant_per_token", "moe_finalize"]
     table = (tmp_path / "kernel_table.inc").read_text()
     assert all(f'{{"{name}",' in table for name in names)
     for name in names:
@@ -73,7 +73,8 @@ def test_installed_launcher_links_the_kernels():
     linked = set(_C.kernels())
     assert {"moe_routing", "moe_gemm1_w4a4_swiglu_t8", "moe_gemm2_w4a8_t64", "moe_gemm2_w4a16_t8_3cta",
             "moe_gemm1_w4a16_relu2_t128_wgmma", "moe_gemm2_w4a16_t128_wgmma", "moe_gemm1_w4a8_swiglu_t128_wgmma",
-            "moe_gemm2_w4a4_pt_t128_wgmma", "moe_routing_decode_mxfp8", "moe_fc2_quant_per_token",
+            "moe_gemm2_w4a4_pt_t128_wgmma", "moe_routing_decode_mxfp8", "moe_routing_decode_bf16",
+            "moe_fc2_quant_per_token",
             "moe_finalize"} <= linked
 
 
@@ -204,6 +205,29 @@ def test_register_a_fragment_is_in_ptx_order():
         assert got == [(row, k), (row, k + 1), (row + 8, k), (row + 8, k + 1),
                        (row, k + 8), (row, k + 9), (row + 8, k + 8), (row + 8, k + 9)], t
     assert seen["words"] == list(range(32))  # word i is register i: k-block slice i // 4, PTX word i % 4
+
+
+def test_token_k_order_puts_each_token_where_its_decoded_weight_pair_sits():
+    """decode_a_stage gives lane q of a quad the code bytes of K [16 q, 16 q + 16) of a 64-K stage and writes codes
+    (j, j + 4) of its word p, row r, as A word 4 j + 2 p + r, which in PTX order (above) holds stage K
+    16 j + 8 p + 2 q + e for its half e: the token of stage offset 16 q + 8 p + j + 4 e must sit there. Every row
+    group is a permutation of 64 positions, and the writer's runs (a k16 half's pairs of consecutive quarters)
+    are contiguous."""
+    from moe_ext.kernels.sm90.wgmma_mainloop import K_GROUP, stage_position
+
+    assert sorted(stage_position(o) for o in range(K_GROUP)) == list(range(K_GROUP))
+    for q in range(4):
+        for p in range(2):
+            for j in range(4):
+                for e in range(2):
+                    word = 2 * p  # row r only selects the weight row, not K
+                    k_in_block = 2 * q + (8 if word >= 2 else 0) + e
+                    assert stage_position(16 * q + 8 * p + j + 4 * e) == 16 * j + k_in_block
+    for p in range(2):
+        for j in range(4):  # pairs (o, o + 4) of quarters 0..3 land in consecutive 4-byte words
+            starts = [stage_position(16 * q + 8 * p + j) for q in range(4)]
+            assert starts == [starts[0] + 2 * q for q in range(4)] and starts[0] % 8 == 0
+            assert [stage_position(16 * q + 8 * p + j + 4) for q in range(4)] == [s + 1 for s in starts]
 
 
 @pytest.mark.parametrize("sf_block", [16, 32])

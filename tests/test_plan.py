@@ -152,7 +152,8 @@ def fake_forward(monkeypatch, mode, fused, shards=False, aux=False, per_token=Fa
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(0))
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
 
-    def fake_route(ids, *args, decode=None):  # the routing launch with its ids (and what it decodes), no maps
+    def fake_route(ids, *args, decode=None, k_permuted=False):  # the routing launch with its ids (and what it
+        # decodes or copies), no maps
         name = "moe_routing" if decode is None else f"moe_routing_decode_{decode[0]}"
         tensors = [launcher._check("token_selected_experts", ids, torch.int32, ids.device), *(decode or ())[1:]]
         launcher.launch(name, tensors, [], True, ids.device)
@@ -241,9 +242,10 @@ def test_localized_forward_runs_each_shard_on_its_stream_with_column_offsets(mon
     assert [s for n, s in streams_seen if n.startswith("moe_gemm")] == [11, 12, 11, 12]
 
 
-@pytest.mark.parametrize("k_splits", [(0, 0), (0, 2), (4, 0)])
+@pytest.mark.parametrize("k_splits", [(0, 0), (4, 2)])
 def test_a_wgmma_split_launches_that_gemms_wgmma_kernel_unsplit(monkeypatch, k_splits):
-    """Split launcher.WGMMA (0) picks the GEMM's warp-specialised kernel, which is passed K split 1."""
+    """Split launcher.WGMMA (0) picks the GEMM's warp-specialised kernel, which is passed K split 1; a mixed pair
+    is refused (the wgmma GEMMs read their tokens in their own K order)."""
     _, calls, _, _ = fake_forward(monkeypatch, "w4a16", False, tile=launcher.WGMMA_TILE, k_splits=k_splits)
     gemm1 = next(c for c in calls if c[0].startswith("moe_gemm1"))
     gemm2 = next(c for c in calls if c[0].startswith("moe_gemm2"))
@@ -252,7 +254,9 @@ def test_a_wgmma_split_launches_that_gemms_wgmma_kernel_unsplit(monkeypatch, k_s
         wgmma = split == launcher.WGMMA
         assert call[0] == name + ("_wgmma" if wgmma else "")
         assert call[2][-1] == (1 if wgmma else split)  # the kernels' last scalar is the K split
-
+    for mixed in ((0, 2), (4, 0)):
+        with pytest.raises(ValueError, match="both GEMMs run the wgmma kernels or neither"):
+            fake_forward(monkeypatch, "w4a16", False, tile=launcher.WGMMA_TILE, k_splits=mixed)
 
 
 @pytest.mark.parametrize("tile", launcher.NARROW_WGMMA_TILES)
@@ -272,6 +276,21 @@ def test_narrow_wgmma_tiles_launch_their_own_wgmma_kernels(monkeypatch, tile, k_
 def test_wgmma_wide_is_refused_on_streaming_only_tiles(monkeypatch, tile):
     with pytest.raises(ValueError, match="WGMMA_WIDE runs on"):
         fake_forward(monkeypatch, "w4a16", True, tile=tile, k_splits=(launcher.WGMMA_WIDE, launcher.WGMMA))
+
+
+def test_w4a16_wgmma_forward_copies_x_into_the_wgmma_k_order_in_the_routing_launch(monkeypatch):
+    """The wgmma GEMMs read their tokens in their own K order: in w4a16 the routing launch copies the caller's x
+    into the x_decoded buffer, which GEMM1 reads; the streaming forward reads x itself."""
+    W = launcher.WGMMA
+    recorded, calls, kw, out = fake_forward(monkeypatch, "w4a16", True, tile=launcher.WGMMA_TILE, k_splits=(W, W))
+    launches = [step for step in recorded if isinstance(step, Launch)]
+    assert [step.name for step in launches][:2] == ["moe_routing_decode_bf16", "moe_gemm1_w4a16_swiglu_t128_wgmma"]
+    assert {role for _, role in launches[0].roles} == {"token_selected_experts", "x"}
+    copied = launches[0].buffers[-1]
+    assert copied[1] == 5 * 256 and launches[1].buffers[0] == copied, "GEMM1 reads the copy"
+    recorded, *_ = fake_forward(monkeypatch, "w4a16", True)
+    launches = [step for step in recorded if isinstance(step, Launch)]
+    assert launches[0].name == "moe_routing" and ("x" in {role for _, role in launches[1].roles})
 
 
 @pytest.mark.parametrize("mode,per_token", [("w4a4", False), ("w4a4", True), ("w4a8", False)])

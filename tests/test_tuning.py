@@ -122,24 +122,19 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     assert launcher.default_tactic(512, 8, 256, 32, 4096, 7168, tiles, 132, wgmma=True)[0] == 32
     assert launcher.default_tactic(64, 2, 8, 8, 28672, 4096, tiles, 132, wgmma=True)[0] == 32  # Mixtral T=64
     assert launcher.default_tactic(256, 8, 256, 32, 4096, 7168, tiles, 132, wgmma=True)[0] == 16
-    added = set(launcher.tactics(tiles, wgmma=True)) - set(launcher.tactics(tiles))
-    assert added == {(128, a, b) for a in launcher.K_SPLITS + (W,) for b in launcher.K_SPLITS + (W,) if W in (a, b)}
-    # The quantized modes take the wgmma GEMMs together, and only where neither would split K.
-    assert set(launcher.tactics(tiles, wgmma=True, mixed=False)) - set(launcher.tactics(tiles)) == {(128, W, W)}
-    assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132, True, mixed=False) == (128, W, W)
-    assert launcher.default_tactic(1024, 8, 256, 32, 4096, 7168, tiles, 132, True, mixed=False) == (128, W, W)
-    # 8 experts x 32 rows: GEMM2's 8 x 8 CTAs split K; w4a16 runs GEMM1 on wgmma, the quantized modes neither.
-    assert launcher.default_tactic(256, 1, 8, 8, 2048, 1024, tiles, 132, True) == (128, W, 2)
-    assert launcher.default_tactic(256, 1, 8, 8, 2048, 1024, tiles, 132, True, mixed=False) == (128, 1, 2)
+    # Both GEMMs take the wgmma kernels or neither does (their token operands are in the wgmma K order), and only
+    # where neither would split K.
+    assert set(launcher.tactics(tiles, wgmma=True)) - set(launcher.tactics(tiles)) == {(128, W, W)}
+    assert all(launcher.is_wgmma(a) == launcher.is_wgmma(b) for _, a, b in launcher.tactics(tiles, wgmma=True))
+    # 8 experts x 32 rows: GEMM2's 8 x 8 CTAs split K, so both GEMMs stream.
+    assert launcher.default_tactic(256, 1, 8, 8, 2048, 1024, tiles, 132, True) == (128, 1, 2)
     # The 256-token tile runs only the wgmma GEMMs, both, and is the default from 512 rows per expert on (Mixtral
     # at T=4096: 1024); 128 rows per expert (DeepSeek-V3 at T=4096) stay on 128.
     with_256 = tiles + (launcher.WIDE_WGMMA_TILE,)
     assert set(launcher.tactics(with_256, wgmma=True)) - set(launcher.tactics(tiles, wgmma=True)) == {(256, W, W)}
-    assert set(launcher.tactics(with_256, wgmma=True, mixed=False)) - set(launcher.tactics(tiles)) == {
-        (128, W, W), (256, W, W)}
+    assert set(launcher.tactics(with_256, wgmma=True)) - set(launcher.tactics(tiles)) == {(128, W, W), (256, W, W)}
     assert launcher.tactics(with_256) == launcher.tactics(tiles)  # without the wgmma GEMMs linked, no 256 tactic
     assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, with_256, 132, wgmma=True) == (256, W, W)
-    assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, with_256, 132, True, mixed=False) == (256, W, W)
     assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, with_256, 132, wgmma=True) == (128, W, W)
     assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, with_256, 132)[0] == 128  # no wgmma: streaming
     # 256-row weight tiles (WGMMA_WIDE): on 128-token tiles, for the GEMMs whose weight rows allow them, with the
@@ -147,15 +142,15 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     WW = launcher.WGMMA_WIDE
     both = set(launcher.tactics(tiles, True, wide=(True, True))) - set(launcher.tactics(tiles, True))
     assert both == {(128, WW, W), (128, W, WW), (128, WW, WW)}
-    assert set(launcher.tactics(tiles, True, mixed=False, wide=(False, True))) - set(launcher.tactics(tiles)) == {
+    assert set(launcher.tactics(tiles, True, wide=(False, True))) - set(launcher.tactics(tiles)) == {
         (128, W, W), (128, W, WW)}
     assert launcher.tactics(tiles, wide=(True, True)) == launcher.tactics(tiles)  # no wgmma linked
     dsv3 = (4096, 8, 256, 256, 4096, 7168, tiles, 132, True)
     assert launcher.default_tactic(*dsv3) == (128, W, W)  # wide=(False, False): nothing allows them
     assert launcher.default_tactic(*dsv3, wide=(True, True)) == (128, WW, WW)
-    assert launcher.default_tactic(*dsv3, mixed=False, wide=(True, False)) == (128, WW, W)
+    assert launcher.default_tactic(*dsv3, wide=(True, False)) == (128, WW, W)
     # ... never where a GEMM splits K, on the 256-token tile, or in decode's streaming tiles
-    assert launcher.default_tactic(256, 1, 8, 8, 2048, 1024, tiles, 132, True, wide=(True, True)) == (128, W, 2)
+    assert launcher.default_tactic(256, 1, 8, 8, 2048, 1024, tiles, 132, True, wide=(True, True)) == (128, 1, 2)
     assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, with_256, 132, True, wide=(True, True)) == (256, W, W)
     assert launcher.default_tactic(1, 8, 256, 32, 4096, 7168, tiles, 132, True, wide=(True, True)) == (8, 2, 1)
 
@@ -171,20 +166,18 @@ def test_narrow_wgmma_tiles_run_both_gemms_on_wgmma_in_every_weight_width():
     tiles = launcher.TOKEN_TILES
     assert launcher.gemm1_kernel("w4a16", "swiglu", 64, W) == "moe_gemm1_w4a16_swiglu_t64_wgmma"
     assert launcher.gemm2_kernel("w4a4", 64, WW) == "moe_gemm2_w4a16_t64_wgmma_n256"
-    for mixed in (True, False):
-        added = set(launcher.tactics(tiles, True, mixed=mixed, narrow_wgmma=narrow)) - set(
-            launcher.tactics(tiles, True, mixed=mixed))
-        assert added == {(64, W, W)}
-        wide = set(launcher.tactics(tiles, True, mixed=mixed, wide=(True, True), narrow_wgmma=(64,))) - set(
-            launcher.tactics(tiles, True, mixed=mixed, wide=(True, True)))
-        assert wide == {(64, W, W), (64, WW, W), (64, W, WW), (64, WW, WW)}
+    added = set(launcher.tactics(tiles, True, narrow_wgmma=narrow)) - set(launcher.tactics(tiles, True))
+    assert added == {(64, W, W)}
+    wide = set(launcher.tactics(tiles, True, wide=(True, True), narrow_wgmma=(64,))) - set(
+        launcher.tactics(tiles, True, wide=(True, True)))
+    assert wide == {(64, W, W), (64, WW, W), (64, W, WW), (64, WW, WW)}
     assert launcher.tactics(tiles, narrow_wgmma=narrow) == launcher.tactics(tiles)  # no 128-token wgmma forward
     # The default: 64-token wgmma tiles where experts average 32-63 rows (DeepSeek-V3, EP8 and gpt-oss at T=1024),
     # in the widest weight tiles allowed; 128 from 64 rows on (Qwen3 at T=1024), streaming below 32.
     dsv3 = (1024, 8, 256, 256, 4096, 7168, tiles, 132, True)
     assert launcher.default_tactic(*dsv3, narrow_wgmma=narrow) == (64, W, W)
     assert launcher.default_tactic(*dsv3, wide=(True, True), narrow_wgmma=narrow) == (64, WW, WW)
-    assert launcher.default_tactic(*dsv3, mixed=False, wide=(False, True), narrow_wgmma=narrow) == (64, W, WW)
+    assert launcher.default_tactic(*dsv3, wide=(False, True), narrow_wgmma=narrow) == (64, W, WW)
     assert launcher.default_tactic(*dsv3, narrow_wgmma=()) == (128, W, W)  # no 64-token wgmma linked
     assert launcher.default_tactic(1024, 8, 128, 128, 1536, 2048, tiles, 132, True, narrow_wgmma=narrow) == (
         128, W, W)

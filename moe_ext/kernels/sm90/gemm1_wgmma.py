@@ -11,7 +11,8 @@ last valid row and are not stored. With the 64-row up/gate interleave a 128-row 
 columns [col_offset + 64n, col_offset + 64n + 64) (up in accumulator columns 0..63, gate in 64..127); Relu2 gives
 128.
 
-The FC2 input goes to `out_bf16` as bf16 in every mode, for the wgmma GEMM2:
+The FC2 input goes to `out_bf16` as bf16 in every mode, for the wgmma GEMM2, each 64-column group in its token K
+order (wgmma_mainloop.stage_position):
   w4a16, w4a4_pt  h itself (w4a4_pt: alpha x per_token_scale; the per-token kernel quantizes it afterwards)
   w4a4            h quantized to NVFP4 with the per-tensor fc2_input_scale (semantics §2.4a) and decoded again
   w4a8            h quantized to MXFP8 (§2.4c) and decoded again (w1 is MXFP4)
@@ -69,8 +70,9 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
             s1 = s1 * Float32(mainloop.ACCUMULATOR_SCALE)
             c0 = half * per_thread  # this thread's first intermediate column of the item's
             row_addr = s_c.iterator.toint() + r * (cfg.pitch * 4)
-            out_addr = out_bf16.iterator.toint() + (
-                Int64(row) * Int64(inter) + Int64(col_offset + n_tile * width + c0)) * Int64(2)
+            group_addr = out_bf16.iterator.toint() + (  # its 64-column group (mainloop.K_GROUP)
+                Int64(row) * Int64(inter) + Int64(col_offset + n_tile * width + c0 // 64 * 64)) * Int64(2)
+            out = []
             for g in cutlass.range_constexpr(per_thread // group):
                 h = []
                 for q in cutlass.range_constexpr(group // 4):
@@ -91,7 +93,8 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
                     words = quantize.dequantized_mxfp8(h)
                 else:
                     words = [ptx.pack_bf16x2(h[2 * j], h[2 * j + 1]) for j in range(group // 2)]
-                ptx.write_words(out_addr + Int64(2 * group * g), words)
+                out += words
+            mainloop.write_k_permuted(group_addr, out, c0 % 64)  # in the wgmma GEMM2's token K order
 
         mainloop.run_roles(cfg, tidx, cta, num_live_tiles[0], tok_layout, tiled_mma, tile_to_expert,
                            tile_to_mn_limit, x_bf16.iterator.toint(), token_row_offset, w1_tma_atom, w1_tma, w1_sf,

@@ -51,6 +51,17 @@ def ld_shared_v4(addr: Int32, *, loc=None, ip=None) -> list:
 
 
 @dsl_user_op
+def ld_shared_v2(addr: Int32, *, loc=None, ip=None) -> list:
+    values = _asm(2, [Int32(addr)], "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r,~{memory}", side_effects=True)
+    return [Int32(v) for v in values]
+
+
+@dsl_user_op
+def ld_shared_u8(addr: Int32, *, loc=None, ip=None) -> Int32:
+    return Int32(_asm(1, [Int32(addr)], "ld.shared.u8 $0, [$1];", "=r,r,~{memory}", side_effects=True))
+
+
+@dsl_user_op
 def ld_shared_b32(addr: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(_asm(1, [Int32(addr)], "ld.shared.b32 $0, [$1];", "=r,r,~{memory}", side_effects=True))
 
@@ -85,6 +96,12 @@ def ld_global_v4(addr: Int64, *, loc=None, ip=None) -> list:
 def st_global_v4(addr: Int64, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None) -> None:
     _asm(0, [Int64(addr), Int32(a), Int32(b), Int32(c), Int32(d)], "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
          "l,r,r,r,r,~{memory}", side_effects=True)
+
+
+@dsl_user_op
+def st_global_v2(addr: Int64, a: Int32, b: Int32, *, loc=None, ip=None) -> None:
+    _asm(0, [Int64(addr), Int32(a), Int32(b)], "st.global.v2.b32 [$0], {$1, $2};", "l,r,r,~{memory}",
+         side_effects=True)
 
 
 @dsl_user_op

@@ -11,7 +11,9 @@ In the quantized modes the same launch also decodes the activations (NVFP4 or MX
 (`moe_routing_decode_{format}`), once a forward, for GEMM1 of either family: CTA 0 routes, CTAs 1.. decode 16 values
 a thread, on the SMs the routing CTA leaves idle, so a forward gains no kernel node. The decode is exact: an e2m1
 code times its e4m3 scale, or an e4m3 code times its ue8m0 scale, has at most 6 significant bits (the MXFP8
-product flushes to zero below fp32's normal range).
+product flushes to zero below fp32's normal range). With `k_permuted` set the values go in the wgmma GEMMs' token
+K order (wgmma_mainloop.stage_position), for the wgmma GEMM1; format "bf16" copies bf16 activations into that order
+(w4a16 forwards on the wgmma GEMMs).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Int32, Int64
 
 from . import ptx
+from .wgmma_mainloop import K_GROUP, write_k_permuted
 from .fp4 import e4m3_to_f32, ue8m0_to_f32
 
 
@@ -34,7 +37,7 @@ class RoutingConfig:
 
 CONFIG = RoutingConfig()
 WARP = 32
-DECODE_FORMATS = ("nvfp4", "mxfp8")
+DECODE_FORMATS = ("nvfp4", "mxfp8", "bf16")
 DECODE_VALUES = 16  # activation values a decode thread converts
 
 
@@ -140,8 +143,9 @@ def launch_routing(ids: cute.Tensor, num_experts: Int32, offset: Int32, tile: In
         grid=(1, 1, 1), block=(CONFIG.threads, 1, 1), stream=stream, use_pdl=pdl)
 
 
-def decode_values(x_format: str, x_q: cute.Tensor, x_sf: cute.Tensor, x_out: cute.Tensor, index):
-    """Values [16 index, 16 index + 16) of the row-major activations -> bf16 in x_out (linear block scales)."""
+def decode_values(x_format: str, x_q: cute.Tensor, x_sf: cute.Tensor, x_out: cute.Tensor, index, k_permuted: bool):
+    """Values [16 index, 16 index + 16) of the row-major activations -> bf16 in x_out (linear block scales), in
+    plain order or (k_permuted; rows of a multiple of 64 values) in the wgmma token K order."""
     first = Int64(index) * Int64(DECODE_VALUES)
     words = []
     if cutlass.const_expr(x_format == "nvfp4"):
@@ -149,13 +153,21 @@ def decode_values(x_format: str, x_q: cute.Tensor, x_sf: cute.Tensor, x_out: cut
         s = e4m3_to_f32(Int32(x_sf[index]))  # one block of 16
         s2 = ptx.pack_bf16x2(s, s)
         words = ptx.e2m1x8_to_bf16x8(codes[0], s2) + ptx.e2m1x8_to_bf16x8(codes[1], s2)
-    else:
+    elif cutlass.const_expr(x_format == "mxfp8"):
         codes = ptx.ld_global_v4(x_q.iterator.toint() + first)
         s = ue8m0_to_f32(Int32(x_sf[index // 2]))  # blocks of 32
         for w in range(4):
             v = [e4m3_to_f32((codes[w] >> (8 * b)) & 0xFF) * s for b in range(4)]
             words += [ptx.pack_bf16x2(v[0], v[1]), ptx.pack_bf16x2(v[2], v[3])]
-    ptx.write_words(x_out.iterator.toint() + first * Int64(2), words)
+    else:  # bf16: a copy
+        words = ptx.ld_global_v4(x_q.iterator.toint() + first * 2) + ptx.ld_global_v4(x_q.iterator.toint() +
+                                                                                       first * 2 + 16)
+    if k_permuted:
+        quarter = index % (K_GROUP // DECODE_VALUES)
+        write_k_permuted(x_out.iterator.toint() + (first - Int64(quarter * DECODE_VALUES)) * Int64(2), words,
+                         quarter * DECODE_VALUES)
+    else:
+        ptx.write_words(x_out.iterator.toint() + first * Int64(2), words)
 
 
 def make_routing_decode(x_format: str):
@@ -169,7 +181,7 @@ def make_routing_decode(x_format: str):
                               expert_counts: cute.Tensor, expert_offsets: cute.Tensor,
                               expanded_to_permuted: cute.Tensor, permuted_to_expanded: cute.Tensor,
                               tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
-                              x_q: cute.Tensor, x_sf: cute.Tensor, x_out: cute.Tensor):
+                              x_q: cute.Tensor, x_sf: cute.Tensor, x_out: cute.Tensor, k_permuted: Int32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         counts, starts = allocate_counters()
@@ -180,18 +192,22 @@ def make_routing_decode(x_format: str):
             index = (cta - 1) * CONFIG.threads + tid
             cute.arch.griddepcontrol_wait()
             if index < cute.size(x_out) // DECODE_VALUES:
-                decode_values(x_format, x_q, x_sf, x_out, index)
+                if k_permuted != 0:
+                    decode_values(x_format, x_q, x_sf, x_out, index, True)
+                else:
+                    decode_values(x_format, x_q, x_sf, x_out, index, False)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def launch(ids: cute.Tensor, num_experts: Int32, offset: Int32, tile: Int32, expert_counts: cute.Tensor,
                expert_offsets: cute.Tensor, expanded_to_permuted: cute.Tensor, permuted_to_expanded: cute.Tensor,
                tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
-               x_q: cute.Tensor, x_sf: cute.Tensor, x_out: cute.Tensor, pdl: cutlass.Boolean, stream: cuda.CUstream):
+               x_q: cute.Tensor, x_sf: cute.Tensor, x_out: cute.Tensor, k_permuted: Int32, pdl: cutlass.Boolean,
+               stream: cuda.CUstream):
         per_cta = CONFIG.threads * DECODE_VALUES
         routing_decode_kernel(ids, num_experts, offset, tile, expert_counts, expert_offsets, expanded_to_permuted,
                               permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, x_q, x_sf,
-                              x_out).launch(
+                              x_out, k_permuted).launch(
             grid=(1 + (cute.size(x_out) + per_cta - 1) // per_cta, 1, 1), block=(CONFIG.threads, 1, 1),
             stream=stream, use_pdl=pdl)
 
@@ -203,8 +219,8 @@ def compile_routing_decode(x_format: str, options: str):
 
     maps = [vector(Int32) for _ in range(7)]  # fresh tensors: each has a length of its own
     return cute.compile(make_routing_decode(x_format), vector(Int32), Int32(1), Int32(0), Int32(128), *maps,
-                        vector(cutlass.Uint8, 16), vector(cutlass.Uint8), vector(BFloat16, 16), cutlass.Boolean(True),
-                        cuda.CUstream(0), options=options)
+                        vector(cutlass.Uint8, 16), vector(cutlass.Uint8), vector(BFloat16, 16), Int32(0),
+                        cutlass.Boolean(True), cuda.CUstream(0), options=options)
 
 
 def compile_routing(options: str):

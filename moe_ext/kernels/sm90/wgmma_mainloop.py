@@ -20,18 +20,21 @@ item's epilogue out of their own s_c.
        scale atom of the 128x4 layout as one bulk copy, both completing on the same barrier (its one expect_tx
        arrival). The copier never waits for its own copies and runs up to `stages` ahead.
   warpgroups 1-2, consumers (setmaxnreg up)
-    wait for `copied`; each thread reads its two weight rows' raw codes and scales from the slot and decodes the
-    mma fragment it owns into one of two register buffers: one bf16 multiply per e2m1 pair, by a shared table
-    entry bf16x2(scale * 2^63), exact (the accumulators hold the products times 2^-63); wgmma
-    m64n128k16 RS per k16 block; then retire the previous stage's wgmmas (wait_group 1), which frees the other
-    register buffer and the previous stage's slot.
+    wait for `copied`; each thread reads 8 contiguous code bytes and one scale byte of each of its two weight rows
+    from the slot and decodes them into the mma fragment it owns, in one of two register buffers: one bf16
+    multiply per e2m1 pair, by a shared table entry bf16x2(scale * 2^63), exact (the accumulators hold the
+    products times 2^-63); each decoded pair is an A register as it is, because the token operands are stored in
+    the matching K order (K_GROUP, stage_position); wgmma m64n128k16 RS per k16 block; then retire the previous
+    stage's wgmmas (wait_group 1), which frees the other register buffer and the previous stage's slot.
 
 Against the shared-memory form it replaced (a decoder warpgroup storing decoded weights to shared memory for SS
 wgmmas): no decoded sB round trip, no proxy fence, and each stage moves about 57 KB of shared memory instead of
-89 KB. The decode issues from the consumer warps (155 SASS instructions per thread and stage of 128 weight rows;
-171 before the mask-multiply-mask e2m1 decode of session 16, which ran 1.01-1.07x faster), overlapping the
-previous stage's wgmmas. Measured at T = 4096 on five shapes (benchmarks/results/h200_session12_checks.md): GEMM1
-1.11-1.22x and GEMM2 1.15-1.21x faster than the shared-memory form; the same register-A form with the shared-memory
+89 KB. The decode issues from the consumer warps (115 SASS instructions per thread and stage of 128 weight rows
+since the token K order of session 24, which ran 1.18-1.24x faster than the plain order's 157: those picked each
+lane's bytes, scales and fragment halves with 34 prmt and 8 more shared loads; 171 before the mask-multiply-mask
+e2m1 decode of session 16), overlapping the previous stage's wgmmas. Measured at T = 4096 on five shapes
+(benchmarks/results/h200_session12_checks.md): GEMM1 1.11-1.22x and GEMM2 1.15-1.21x faster than the shared-memory
+form; the same register-A form with the shared-memory
 form's decode (block scales decoded in registers, 253 SASS a stage) ran 0.96-1.05x: the consumers' decode
 instructions, not shared memory, bound it. Scale range: exact for every e4m3 scale and ue8m0 scales in
 [2^-62, 2^64], as the streaming kernels (stream.py).
@@ -71,6 +74,47 @@ MAX_SHARED_BYTES = 227 * 1024  # opt-in dynamic shared memory of a Hopper CTA
 TILES = (64, 128, 256)  # the routing tiles the wgmma GEMMs are built for
 # (routing tile, weight rows) of every wgmma GEMM built: at most two accumulators (blocks x halves) fit the registers
 SHAPES = ((64, 128), (64, 256), (128, 128), (256, 128), (128, 256))
+
+
+# K order of the wgmma GEMMs' bf16 operands. The order of K inside an MMA is free as long as both operands agree,
+# so the consumers give lane q (lane % 4) of a quad the 8 contiguous code bytes of K [16 q, 16 q + 16) of each
+# 64-K stage (one load a row, one block scale a row) and use each decoded pair, codes (j, j + 4) of a word, as an
+# A fragment register as it is. The token operands (GEMM1's x, GEMM2's FC2 input) are stored in the same order:
+# offset o = 16 q + 8 p + 4 e + j of each 64-value group of a row sits at stage_position(o) = 16 j + 8 p + 2 q + e
+# (wgmma k16 block j, its half p, lane q's pair, element e). The routing launch writes x that way and the wgmma
+# GEMM1 the FC2 input, for the wgmma GEMMs only (the streaming kernels read plain rows).
+K_GROUP = 64
+
+
+def stage_position(offset: int) -> int:
+    """Where offset `offset` (0..63) of a 64-value group of a row sits in the wgmma GEMMs' token K order."""
+    q, rest = divmod(offset, 16)
+    p, rest = divmod(rest, 8)
+    e, j = divmod(rest, 4)
+    return 16 * j + 8 * p + 2 * q + e
+
+
+def write_k_permuted(group_addr: Int64, words: list, first) -> None:
+    """Store bf16 values of a 64-value row group in stage_position order: `words` are bf16x2 words of offsets
+    [first, first + 2 len(words)) in plain order (pairs (o, o + 1)), one, two (aligned) or four 16-offset quarters.
+    Each position pair (o, o + 4) is one prmt of two words; the pairs of the quarters of one k16 half are adjacent:
+    16-byte stores for a whole group, 8-byte ones for half, 4-byte ones for a quarter (whose `first` may be a
+    run-time value)."""
+    quarters = len(words) // 8
+    if quarters not in (1, 2, 4) or len(words) % 8:
+        raise ValueError(f"write_k_permuted: {len(words)} words, expected 8, 16 or 32")
+    for j in range(4):
+        for p in range(2):
+            # offsets (16 q + 8 p + j, + 4) of each quarter q: words 8 q + (8 p + j) // 2 and + 2
+            run = [ptx.prmt(words[8 * q + (8 * p + j) // 2], words[8 * q + (8 * p + j + 4) // 2],
+                            0x5410 if j % 2 == 0 else 0x7632) for q in range(quarters)]
+            addr = group_addr + Int64(2 * stage_position(8 * p + j)) + Int64(4 * (first // 16))
+            if quarters == 4:
+                ptx.st_global_v4(addr, *run)
+            elif quarters == 2:
+                ptx.st_global_v2(addr, *run)
+            else:
+                ptx.st_global_b32(addr, run[0])
 
 
 @dataclass(frozen=True)
@@ -282,23 +326,28 @@ def issue_token_stage(cfg: WgmmaConfig, cp_atom, tAsA, a_src: cute.Tensor, kt, s
 
 
 class RawRing:
-    """Row `row` of weight half `half`: its view of the raw slots, its 32 code bytes of a stage (the TMA box's row,
-    read as two 16-byte pieces: 2-way bank conflicts on 2 loads a stage) and its 4-byte scale group in the half's
-    512-byte atom of the 128x4 layout (row r at (r % 32) * 16 + (r // 32) * 4)."""
+    """Row `row` of weight half `half`, as lane `quad` (lane % 4) of its quad reads it: its 8 code bytes of a stage
+    (K 16 quad .. 16 quad + 15 of the stage, one NVFP4 block or half an MXFP4 one) and its scale byte in the half's
+    512-byte atom of the 128x4 layout (row r's 4-byte group at (r % 32) * 16 + (r // 32) * 4)."""
 
-    def __init__(self, cfg: WgmmaConfig, codes_base: Int32, scales_base: Int32, row, half: int = 0):
+    def __init__(self, cfg: WgmmaConfig, codes_base: Int32, scales_base: Int32, row, quad, half: int = 0):
         self.slot_bytes = cfg.bn * cfg.bk // 2
         self.scale_slot_bytes = cfg.halves * 512
+        self.sf_block = cfg.sf_block
         if half:  # a Python int: half 0 keeps the 128-row kernels' address arithmetic as it was
             codes_base = codes_base + half * WEIGHT_HALF * (cfg.bk // 2)
             scales_base = scales_base + half * 512
-        self.codes = codes_base + row * (cfg.bk // 2)
-        self.scales = scales_base + (row % 32) * 16 + (row // 32) * 4
+        self.codes = codes_base + row * (cfg.bk // 2) + quad * 8
+        # NVFP4: the stage's 4 blocks are the group's 4 bytes; MXFP4: two stages share a group, 2 blocks each
+        block = quad if cfg.sf_block == 16 else quad // 2
+        self.scales = scales_base + (row % 32) * 16 + (row // 32) * 4 + block
 
-    def codes_at(self, stage, piece) -> Int32:
-        return self.codes + stage * self.slot_bytes + piece * 16
+    def codes_at(self, stage) -> Int32:
+        return self.codes + stage * self.slot_bytes
 
-    def scales_at(self, stage) -> Int32:
+    def scale_at(self, stage, kt) -> Int32:
+        if cutlass.const_expr(self.sf_block == 32):
+            return self.scales + stage * self.scale_slot_bytes + (kt % 2) * 2
         return self.scales + stage * self.scale_slot_bytes
 
 
@@ -347,38 +396,18 @@ class RawSlots(NamedTuple):
     scales: Int32
 
 
-def decode_a_stage(cfg: WgmmaConfig, ring: RawRing, ring8: RawRing, pick: Int32, lut: Int32, a_words: cute.Tensor,
-                   first: int, stage, kt):
-    """Raw slot of K stage kt -> this thread's register A fragments of the stage's k16 blocks: a_words[first + 4 kb + j]
-    is word j of block kb in PTX order (row, k..k+1), (row + 8, k..k+1), (row, k+8..k+9), (row + 8, k+8..k+9)
-    with k = 16 kb + 2 (lane % 4), each value times its block scale and 2^-63 (ACCUMULATOR_SCALE). The thread reads
-    its two rows' 32 code bytes whole (the 4 lanes of a quad read the same addresses); `pick` (a prmt selector)
-    puts byte lane % 4 of a row's words 2 kb and 2 kb + 1 (K k..k+1 and k+8..k+9) at bytes 0 and 2, so nibbles
-    (0, 4) are (k, k + 8) and nibbles (1, 5) are (k + 1, k + 9), the two pairs ptx.e2m1_pair_bits decodes; a
-    scale is one load from the table at `lut`."""
-    rows = [[ptx.ld_shared_v4(r.codes_at(stage, h)) for h in range(2)] for r in (ring, ring8)]
-    words = [[w for half in row for w in half] for row in rows]  # word j: K 8j..8j+7
-    scales = [ptx.ld_shared_b32(r.scales_at(stage)) for r in (ring, ring8)]
-
-    def scale_byte(word, block: int):  # the stage's block `block` of a row's 4-byte scale group, zero-extended
-        if cutlass.const_expr(cfg.sf_block == 32):  # two stages share a group: this stage's half
-            return ptx.prmt_r(word, Int32(0), Int32(0x4440 + block) + (kt % 2) * 2)
-        return ptx.prmt(word, Int32(0), 0x4440 | block)
-
-    # bf16x2 scale of each row for each of the stage's blocks (MXFP4: two k16 blocks share one)
-    block_scales = [[ptx.ld_shared_b32(lut + scale_byte(word, block) * 4) for word in scales]
-                    for block in range(cfg.bk // cfg.sf_block)]
-    for kb in range(cfg.bk // 16):
-        row_scales = block_scales[kb * 16 // cfg.sf_block]
-        # pairs: (row k, k+8), (row k+1, k+9), (row+8 k, k+8), (row+8 k+1, k+9)
-        pairs = []
-        for row_words, scale in zip(words, row_scales):
-            codes = ptx.prmt_r(row_words[2 * kb], row_words[2 * kb + 1], pick)
-            pairs += [ptx.mul_bf16x2(ptx.e2m1_pair_bits(codes, nibble), scale) for nibble in (0, 4)]
-        frag = [ptx.prmt(pairs[0], pairs[1], 0x5410), ptx.prmt(pairs[2], pairs[3], 0x5410),
-                ptx.prmt(pairs[0], pairs[1], 0x7632), ptx.prmt(pairs[2], pairs[3], 0x7632)]
-        for j in range(4):
-            a_words[first + 4 * kb + j] = frag[j]
+def decode_a_stage(cfg: WgmmaConfig, ring: RawRing, ring8: RawRing, lut: Int32, a_words: cute.Tensor, first: int,
+                   stage, kt):
+    """Raw slot of K stage kt -> this thread's register A fragments of the stage's k16 blocks, in the permuted K
+    order (token_k_order): a_words[first + 4 q + 2 p + r] is the bf16x2 of codes (q, q + 4) of word p of row
+    (row, row + 8)[r]'s 8 code bytes (K 16 quad + 8 p + q and + 4 of the stage), each times its block scale and
+    2^-63 (ACCUMULATOR_SCALE); one scale a row and stage, a table entry at `lut`."""
+    for r, ring_row in enumerate((ring, ring8)):
+        words = ptx.ld_shared_v2(ring_row.codes_at(stage))
+        scale = ptx.ld_shared_b32(lut + ptx.ld_shared_u8(ring_row.scale_at(stage, kt)) * 4)
+        for p, word in enumerate(words):
+            for q, pair in enumerate(ptx.e2m1x8_to_bf16x2(word, scale)):
+                a_words[first + 4 * q + 2 * p + r] = pair
 
 
 @cute.jit
@@ -441,7 +470,7 @@ def drain_copies():
 
 @cute.jit
 def mma_stage(cfg: cutlass.Constexpr, copied, tiled_mma: cute.TiledMma, accs, tCrAs, tCrBs, a_words, rings,
-              pick: Int32, lut: Int32, kt, buf: cutlass.Constexpr, read, release):
+              lut: Int32, kt, buf: cutlass.Constexpr, read, release):
     """One K stage: wait for its copies; for each weight half h, decode its weights into register buffer `buf` of
     tCrAs[h] (k-blocks 4 buf .. 4 buf + 3) and issue its wgmmas (accs[h][b] += A_h . tCrBs[b] for each token block
     b), so half 1's decode overlaps half 0's wgmmas; then retire the previous stage's wgmmas (so its tokens are
@@ -452,7 +481,7 @@ def mma_stage(cfg: cutlass.Constexpr, copied, tiled_mma: cute.TiledMma, accs, tC
     copied.consumer_wait(read)
     for h in cutlass.range_constexpr(cfg.halves):
         ring, ring8 = rings[h]
-        decode_a_stage(cfg, ring, ring8, pick, lut, a_words[h], 4 * k_blocks * buf, read.index, kt)
+        decode_a_stage(cfg, ring, ring8, lut, a_words[h], 4 * k_blocks * buf, read.index, kt)
         cute.nvgpu.warpgroup.fence()
         for kb in cutlass.range_constexpr(k_blocks):
             for acc, tCrB in zip(accs[h], tCrBs):
@@ -491,17 +520,16 @@ def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_s
     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
     lane = ctid % 32
     row = (ctid // 32) * 16 + lane // 4  # warp w of the two warpgroups: weight rows 16 w .. 16 w + 15 of a half
-    rings = [(RawRing(cfg, raw_codes, raw_scales, row, h), RawRing(cfg, raw_codes, raw_scales, row + 8, h))
-             for h in range(cfg.halves)]
-    pick = (lane % 4) * 0x1111 + 0x4400  # prmt: byte lane % 4 of two words to bytes 0-1 and 2-3
+    rings = [(RawRing(cfg, raw_codes, raw_scales, row, lane % 4, h),
+              RawRing(cfg, raw_codes, raw_scales, row + 8, lane % 4, h)) for h in range(cfg.halves)]
 
     stages = k_extent // cfg.bk
     for pair in cutlass.range(stages // 2, unroll=1):
         for buf in cutlass.range_constexpr(2):
-            read, release = mma_stage(cfg, copied, tiled_mma, accs, tCrAs, tCrBs, a_words, rings, pick, lut,
+            read, release = mma_stage(cfg, copied, tiled_mma, accs, tCrAs, tCrBs, a_words, rings, lut,
                                       2 * pair + buf, buf, read, release)
     for kt in cutlass.range(stages - stages % 2, stages, unroll=1):  # an odd last stage: buffer 0 is free
-        read, release = mma_stage(cfg, copied, tiled_mma, accs, tCrAs, tCrBs, a_words, rings, pick, lut, kt,
+        read, release = mma_stage(cfg, copied, tiled_mma, accs, tCrAs, tCrBs, a_words, rings, lut, kt,
                                   0, read, release)
     cute.nvgpu.warpgroup.wait_group(0)
     copied.consumer_release(release)
