@@ -135,12 +135,6 @@ def prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def prmt_r(a: Int32, b: Int32, selector: Int32, *, loc=None, ip=None) -> Int32:
-    """prmt with the selector in a register."""
-    return Int32(_asm(1, [Int32(a), Int32(b), Int32(selector)], "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r"))
-
-
-@dsl_user_op
 def division_magic(divisor: Int32, *, loc=None, ip=None) -> Int32:
     """ceil(2^32 / divisor) as a u32 for divide_by_magic, divisor >= 1 (it wraps to 0 for divisor 1)."""
     return Int32(_asm(1, [Int32(divisor)], "{ .reg .u32 t; div.u32 t, 0xFFFFFFFF, $1; add.u32 $0, t, 1; }",

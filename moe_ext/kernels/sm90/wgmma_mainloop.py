@@ -34,9 +34,8 @@ since the token K order of session 24, which ran 1.18-1.24x faster than the plai
 lane's bytes, scales and fragment halves with 34 prmt and 8 more shared loads; 171 before the mask-multiply-mask
 e2m1 decode of session 16), overlapping the previous stage's wgmmas. Measured at T = 4096 on five shapes
 (benchmarks/results/h200_session12_checks.md): GEMM1 1.11-1.22x and GEMM2 1.15-1.21x faster than the shared-memory
-form; the same register-A form with the shared-memory
-form's decode (block scales decoded in registers, 253 SASS a stage) ran 0.96-1.05x: the consumers' decode
-instructions, not shared memory, bound it. Scale range: exact for every e4m3 scale and ue8m0 scales in
+form; the same register-A form with the shared-memory form's decode (block scales decoded in registers, 253 SASS a
+stage) ran 0.96-1.05x: the consumers' decode instructions, not shared memory, bound it. Scale range: exact for every e4m3 scale and ue8m0 scales in
 [2^-62, 2^64], as the streaming kernels (stream.py).
 """
 # (no `from __future__ import annotations`: cute.struct reads its annotations as live objects)
