@@ -125,15 +125,16 @@ class HopperBackend:
             problem = dataclasses.replace(problem, shards=None, localized_streams=None,
                                           aux_stream=problem.localized_memset_stream or problem.aux_stream)
         T, K = problem.num_tokens, problem.top_k
+        wgmma = launcher.is_wgmma(split1)
         if workspace is not None and tile in workspace.tile_sizes:
             routing = workspace.routing_buffers(T, tile)
             buffers = workspace.kernel_buffers.view(problem.quant_mode, routing.permuted_to_expanded.numel(),
-                                                    problem.intermediate_size, T, K, problem.hidden_size)
+                                                    problem.intermediate_size, T, K, problem.hidden_size, wgmma)
         else:
             routing = launcher.allocate_routing(T, K, problem.num_local_experts, tile, problem.device)
             buffers = launcher.KernelBuffers.allocate(problem.quant_mode, routing.permuted_to_expanded.numel(),
                                                       problem.intermediate_size, T, K, problem.hidden_size,
-                                                      problem.device)
+                                                      problem.device, wgmma)
         memset_stream = problem.localized_memset_stream if problem.shards is not None else problem.aux_stream
         aux = streams.fork_join([memset_stream]) if memset_stream is not None else None
         shard_streams = streams.fork_join(problem.localized_streams) if problem.localized_streams else None

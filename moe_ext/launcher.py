@@ -452,10 +452,12 @@ class KernelBuffers:
     slot_output: torch.Tensor
 
     @staticmethod
-    def sizes(quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int) -> dict:
-        """Element counts of each buffer (0 where the mode does not use it)."""
+    def sizes(quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int,
+              wgmma: bool = True) -> dict:
+        """Element counts of each buffer (0 where the mode does not use it). `wgmma`: whether the forward may run
+        the wgmma GEMMs (w4a16 then copies x into their K order; its streaming forward reads x itself)."""
         return dict(
-            x_decoded=tokens * hidden,
+            x_decoded=tokens * hidden if quant_mode != "w4a16" or wgmma else 0,
             intermediate_bf16=rows * inter,
             row_scale=rows if quant_mode == "w4a4" else 0,
             slot_output=tokens * top_k * hidden,
@@ -463,15 +465,16 @@ class KernelBuffers:
 
     @classmethod
     def allocate(cls, quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int,
-                 device) -> "KernelBuffers":
+                 device, wgmma: bool = True) -> "KernelBuffers":
         dtypes = dict(x_decoded=torch.bfloat16, intermediate_bf16=torch.bfloat16, row_scale=torch.float32,
                       slot_output=torch.bfloat16)
         return cls(**{name: torch.empty(max(n, 1), dtype=dtypes[name], device=device)
-                      for name, n in cls.sizes(quant_mode, rows, inter, tokens, top_k, hidden).items()})
+                      for name, n in cls.sizes(quant_mode, rows, inter, tokens, top_k, hidden, wgmma).items()})
 
-    def view(self, quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int) -> "KernelBuffers":
+    def view(self, quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int,
+             wgmma: bool = True) -> "KernelBuffers":
         """The leading parts needed for a smaller problem (workspace buffers sized for the capacity)."""
-        sizes = self.sizes(quant_mode, rows, inter, tokens, top_k, hidden)
+        sizes = self.sizes(quant_mode, rows, inter, tokens, top_k, hidden, wgmma)
         return KernelBuffers(**{name: getattr(self, name)[:max(n, 1)] for name, n in sizes.items()})
 
 
@@ -519,7 +522,7 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
     dummy = _dummies(device)
     rows = routing.permuted_to_expanded.numel()
-    sizes = KernelBuffers.sizes(problem.quant_mode, rows, I, T, K, H)
+    sizes = KernelBuffers.sizes(problem.quant_mode, rows, I, T, K, H, wgmma)
     buf = {name: _check(name, getattr(buffers, name)[:n], getattr(buffers, name).dtype, device, n, 16) if n
            else dummy[getattr(buffers, name).dtype] for name, n in sizes.items()}
     decode = None

@@ -74,8 +74,7 @@ def test_installed_launcher_links_the_kernels():
     assert {"moe_routing", "moe_gemm1_w4a4_swiglu_t8", "moe_gemm2_w4a8_t64", "moe_gemm2_w4a16_t8_3cta",
             "moe_gemm1_w4a16_relu2_t128_wgmma", "moe_gemm2_w4a16_t128_wgmma", "moe_gemm1_w4a8_swiglu_t128_wgmma",
             "moe_gemm2_w4a4_pt_t128_wgmma", "moe_routing_decode_mxfp8", "moe_routing_decode_bf16",
-            "moe_fc2_quant_per_token",
-            "moe_finalize"} <= linked
+            "moe_fc2_quant_per_token", "moe_finalize"} <= linked
 
 
 def test_launcher_knows_the_compiled_token_tiles():

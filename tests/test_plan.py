@@ -291,6 +291,10 @@ def test_w4a16_wgmma_forward_copies_x_into_the_wgmma_k_order_in_the_routing_laun
     recorded, *_ = fake_forward(monkeypatch, "w4a16", True)
     launches = [step for step in recorded if isinstance(step, Launch)]
     assert launches[0].name == "moe_routing" and ("x" in {role for _, role in launches[1].roles})
+    sizes = launcher.KernelBuffers.sizes  # so only a forward that may run wgmma holds a copy of x
+    assert sizes("w4a16", 8, 256, 5, 2, 256, wgmma=False)["x_decoded"] == 0
+    assert sizes("w4a16", 8, 256, 5, 2, 256, wgmma=True)["x_decoded"] == sizes("w4a8", 8, 256, 5, 2, 256,
+                                                                               wgmma=False)["x_decoded"] == 5 * 256
 
 
 @pytest.mark.parametrize("mode,per_token", [("w4a4", False), ("w4a4", True), ("w4a8", False)])
