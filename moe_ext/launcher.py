@@ -255,15 +255,16 @@ K_SPLITS = (1, 2, 4)  # CTAs of a cluster that share one GEMM tile's K steps (cl
 # token operands in their own K order (x from the routing launch, the FC2 input from the wgmma GEMM1).
 WGMMA = 0
 WGMMA_TILE = 128
-# 64-token routing tiles run the wgmma GEMMs too, both GEMMs, as (64, WGMMA or WGMMA_WIDE, WGMMA or WGMMA_WIDE):
-# one m64n64 wgmma block a tile, for experts of 32-63 rows, where a 128-token tile multiplies a padding half.
-NARROW_WGMMA_TILES = (64,)
+# 32- and 64-token routing tiles run the wgmma GEMMs too, both GEMMs, as (tile, WGMMA or WGMMA_WIDE, WGMMA or
+# WGMMA_WIDE): one m64n32 / m64n64 wgmma block a tile, for experts of fewer rows than a 128-token tile would pad to.
+NARROW_WGMMA_TILES = (32, 64)
 WGMMA_MIN_ROWS = 32  # expected rows per local expert from which the default tactic takes the wgmma GEMMs
+NARROW_WGMMA_MIN_ROWS = {32: 12, 64: WGMMA_MIN_ROWS}  # ... on each narrow tile (below: the streaming GEMMs)
 # 256-row routing tiles run only the wgmma GEMMs (both): each decoded weight stage feeds two 128-token blocks, for
 # experts with 512+ rows on average (wgmma_mainloop.TOKEN_BLOCK).
 WIDE_WGMMA_TILE = 256
 WIDE_TILE_MIN_ROWS = 512
-# The "split" of a GEMM that selects its wgmma kernel with 256-row weight tiles (64- or 128-token routing tiles): two
+# The "split" of a GEMM that selects its wgmma kernel with 256-row weight tiles (32- to 128-token routing tiles): two
 # weight halves share each gathered token stage, halving the token rows a CTA reads per MMA. The GEMM's weight rows
 # (of one launch) must be a multiple of 256.
 WGMMA_WIDE = -1
@@ -387,8 +388,10 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     (benchmarks/results/h200_session14_checks.md §2). Where experts average 32-63 rows and the 64-token wgmma GEMMs are
     linked (`narrow_wgmma`), both GEMMs take them instead, in the widest weight tiles allowed: one m64n64 block where a
     128-token tile multiplies a padding half; at 32 rows (T=1024 on DeepSeek-V3, its EP8 shard and gpt-oss-120b)
-    1.17-1.29x faster kernels, at 64 (Qwen3 T=1024, Mixtral T=256) 0.78-0.91x; 32-token wgmma tiles (not built) were
-    slower than either (benchmarks/results/h200_session23_checks.md).
+    1.17-1.29x faster kernels, at 64 (Qwen3 T=1024, Mixtral T=256) 0.78-0.91x. Where they average
+    12-31 rows (NARROW_WGMMA_MIN_ROWS), the 32-token wgmma tiles (widest weight tiles allowed): at 12-24 rows 1.06-1.60x
+    faster kernels than the streaming default, at 8 rows (gpt-oss T=256) 0.96x (benchmarks/results/
+    h200_session25_checks.md; slower than streaming before the wgmma token K order, session 23).
     On a THREE_CTA_TILES tile (`three_ctas`), an unsplit GEMM whose expected CTAs fill three an SM takes THREE_CTAS:
     GEMM1 1.06-1.21x and GEMM2 1.27-1.80x there; at 256 CTAs it was 0.76-0.96x (h200_session17_checks.md).
     """
@@ -402,7 +405,7 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     if wgmma and WIDE_WGMMA_TILE in tiles and per_expert >= WIDE_TILE_MIN_ROWS:
         return (WIDE_WGMMA_TILE, WGMMA, WGMMA)
     fitting = [t for t in narrow_wgmma if t in tiles and per_expert < t]
-    if wgmma and fitting and per_expert >= WGMMA_MIN_ROWS:
+    if wgmma and fitting and per_expert >= NARROW_WGMMA_MIN_ROWS[min(fitting)]:
         return (min(fitting), *(WGMMA_WIDE if w else WGMMA for w in wide))
     # Live tiles: the expected experts hit with 50% margin (a split that overshoots one wave costs more than one
     # that undershoots gains), never more than the slots that can be local.

@@ -40,9 +40,10 @@ def check_against_reference(case, fused, every_tile=True, **over):
     W = launcher.WGMMA
     WW = launcher.WGMMA_WIDE
     wgmma = [t for t in [(launcher.WGMMA_TILE, W, W), (launcher.WIDE_WGMMA_TILE, W, W), (launcher.WGMMA_TILE, WW, WW),
-                         (64, W, W), (64, WW, WW)] if t in HOPPER.tactics(problem)]  # the wgmma GEMMs (both)
+                         (32, W, W), (64, W, W), (32, WW, WW),
+                         (64, WW, WW)] if t in HOPPER.tactics(problem)]  # the wgmma GEMMs (both)
     assert (launcher.WGMMA_TILE, W, W) in wgmma, "every mode links the wgmma GEMMs"  # and the 256 ones, when built
-    assert (64, W, W) in wgmma, "every mode links the 64-token wgmma GEMMs"
+    assert {(32, W, W), (64, W, W)} <= set(wgmma), "every mode links the 32- and 64-token wgmma GEMMs"
     chosen += wgmma
     C = launcher.THREE_CTAS  # the three-CTA forms: both GEMMs, and each beside a K split; 32-token tiles too
     three = [(8, C, C), (8, C, 2), (8, 4, C), (32, C, C)]

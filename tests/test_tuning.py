@@ -115,7 +115,7 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132, wgmma=True) == (128, W, W)
     assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, tiles, 132, wgmma=True) == (128, W, W)
     assert launcher.default_tactic(1, 8, 256, 32, 4096, 7168, tiles, 132, wgmma=True) == (8, 2, 1)
-    # ... and from 32 rows per expert on (WGMMA_MIN_ROWS); at 16 the streaming tiles (the tuner's pick on the H200).
+    # ... and from 32 rows per expert on (WGMMA_MIN_ROWS); at 16, without the narrow wgmma tiles, the streaming ones.
     assert launcher.WGMMA_MIN_ROWS == 32
     assert launcher.default_tactic(1024, 8, 256, 256, 4096, 7168, tiles, 132, wgmma=True) == (128, W, W)
     assert launcher.default_tactic(1024, 8, 256, 32, 4096, 7168, tiles, 132, wgmma=True) == (128, W, W)
@@ -156,32 +156,40 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
 
 
 def test_narrow_wgmma_tiles_run_both_gemms_on_wgmma_in_every_weight_width():
-    """NARROW_WGMMA_TILES: the wgmma GEMMs on 64-token routing tiles (one m64n64 block), both GEMMs, each in the
-    weight widths `wide` allows; offered only with the 128-token wgmma forward linked too."""
+    """NARROW_WGMMA_TILES: the wgmma GEMMs on 32- and 64-token routing tiles (one m64n32 / m64n64 block), both
+    GEMMs, each in the weight widths `wide` allows; offered only with the 128-token wgmma forward linked too."""
     from moe_ext import launcher
 
     W, WW = launcher.WGMMA, launcher.WGMMA_WIDE
     narrow = launcher.NARROW_WGMMA_TILES
-    assert narrow == (64,)
+    assert narrow == (32, 64)
     tiles = launcher.TOKEN_TILES
     assert launcher.gemm1_kernel("w4a16", "swiglu", 64, W) == "moe_gemm1_w4a16_swiglu_t64_wgmma"
     assert launcher.gemm2_kernel("w4a4", 64, WW) == "moe_gemm2_w4a16_t64_wgmma_n256"
+    assert launcher.gemm2_kernel("w4a4", 32, WW) == "moe_gemm2_w4a16_t32_wgmma_n256"
     added = set(launcher.tactics(tiles, True, narrow_wgmma=narrow)) - set(launcher.tactics(tiles, True))
-    assert added == {(64, W, W)}
+    assert added == {(32, W, W), (64, W, W)}
     wide = set(launcher.tactics(tiles, True, wide=(True, True), narrow_wgmma=(64,))) - set(
         launcher.tactics(tiles, True, wide=(True, True)))
     assert wide == {(64, W, W), (64, WW, W), (64, W, WW), (64, WW, WW)}
     assert launcher.tactics(tiles, narrow_wgmma=narrow) == launcher.tactics(tiles)  # no 128-token wgmma forward
     # The default: 64-token wgmma tiles where experts average 32-63 rows (DeepSeek-V3, EP8 and gpt-oss at T=1024),
-    # in the widest weight tiles allowed; 128 from 64 rows on (Qwen3 at T=1024), streaming below 32.
+    # 32-token ones at 12-31 rows, in the widest weight tiles allowed; 128 from 64 rows on (Qwen3 at T=1024),
+    # streaming below 12.
     dsv3 = (1024, 8, 256, 256, 4096, 7168, tiles, 132, True)
     assert launcher.default_tactic(*dsv3, narrow_wgmma=narrow) == (64, W, W)
     assert launcher.default_tactic(*dsv3, wide=(True, True), narrow_wgmma=narrow) == (64, WW, WW)
     assert launcher.default_tactic(*dsv3, wide=(False, True), narrow_wgmma=narrow) == (64, W, WW)
-    assert launcher.default_tactic(*dsv3, narrow_wgmma=()) == (128, W, W)  # no 64-token wgmma linked
+    assert launcher.default_tactic(*dsv3, narrow_wgmma=(32,)) == (128, W, W)  # no 64-token wgmma linked
     assert launcher.default_tactic(1024, 8, 128, 128, 1536, 2048, tiles, 132, True, narrow_wgmma=narrow) == (
         128, W, W)
-    assert launcher.default_tactic(512, 8, 256, 256, 4096, 7168, tiles, 132, True, narrow_wgmma=narrow)[0] == 32
+    assert launcher.NARROW_WGMMA_MIN_ROWS == {32: 12, 64: 32}
+    for num_tokens in (384, 512, 768):  # 12, 16 and 24 rows an expert
+        dsv3 = (num_tokens, 8, 256, 256, 4096, 7168, tiles, 132, True)
+        assert launcher.default_tactic(*dsv3, narrow_wgmma=narrow) == (32, W, W)
+        assert launcher.default_tactic(*dsv3, wide=(True, True), narrow_wgmma=narrow) == (32, WW, WW)
+        assert launcher.default_tactic(*dsv3, narrow_wgmma=(64,))[1] not in (W, WW)  # no 32-token wgmma: streaming
+    assert launcher.default_tactic(256, 8, 256, 256, 4096, 7168, tiles, 132, True, narrow_wgmma=narrow) == (16, 1, 1)
     assert (64, W, W) not in launcher.tactics((8, 16, 32, 128), True, narrow_wgmma=narrow)  # no 64-token tile
 
 

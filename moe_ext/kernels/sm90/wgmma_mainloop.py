@@ -2,12 +2,11 @@
 consumers straight into the wgmma's register A operand, gathered bf16 token rows as B from shared memory, fp32
 accumulators.
 
-CTA tile: 128 weight rows (the wgmma M side, two consumer warpgroups of 64) x 64, 128 or 256 routed token rows
+CTA tile: 128 weight rows (the wgmma M side, two consumer warpgroups of 64) x 32, 64, 128 or 256 routed token rows
 (one routing tile of one local expert, in blocks of up to 128: one wgmma N each) x all of K in stages of 64,
 `stages` deep. A 256-row tile decodes each weight stage once for both blocks (twice the MMA per decode
-instruction); a 64-row tile halves the MMA of a 128-row one where experts have 32-63 rows (no padding block
-multiplied for nothing), for the same decode. (32-row tiles compile too, but measured slower than either the
-64-row wgmma tiles or the streaming kernels wherever they could pay, session 23: not built.)
+instruction); 32- and 64-row tiles cut the MMA of a 128-row one where experts have fewer rows (no padding token
+rows multiplied for nothing), for the same decode.
 Persistent: `ctas` CTAs (one per SM) loop over the work items (routing tile, column tile); each role carries its
 ring states from one item to the next, so the copier fills the next item's stages while the consumers run this
 item's epilogue out of their own s_c.
@@ -61,7 +60,7 @@ WARPGROUP = 128
 ACCUMULATOR_SCALE = TWO_P63
 COPIER, FIRST_CONSUMER = 0, 1  # warpgroups
 CONSUMERS = 256
-# Token rows of one wgmma N and one s_c pass (at most; a 64-row routing tile is one block, WgmmaConfig.
+# Token rows of one wgmma N and one s_c pass (at most; a 32- or 64-row routing tile is one block, WgmmaConfig.
 # token_block); a 256-row routing tile is two such blocks sharing each decoded weight fragment (two m64n128k16 per
 # k16 block), so a stage's decode feeds twice the MMA.
 TOKEN_BLOCK = 128
@@ -70,9 +69,9 @@ TOKEN_BLOCK = 128
 # rows feed twice the MMA.
 WEIGHT_HALF = 128
 MAX_SHARED_BYTES = 227 * 1024  # opt-in dynamic shared memory of a Hopper CTA
-TILES = (64, 128, 256)  # the routing tiles the wgmma GEMMs are built for
+TILES = (32, 64, 128, 256)  # the routing tiles the wgmma GEMMs are built for
 # (routing tile, weight rows) of every wgmma GEMM built: at most two accumulators (blocks x halves) fit the registers
-SHAPES = ((64, 128), (64, 256), (128, 128), (256, 128), (128, 256))
+SHAPES = ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128), (256, 128), (128, 256))
 
 
 # K order of the wgmma GEMMs' bf16 operands. The order of K inside an MMA is free as long as both operands agree,
@@ -118,7 +117,7 @@ def write_k_permuted(group_addr: Int64, words: list, first) -> None:
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    bm: int = 128  # routed rows per CTA (= the routing tile): 64, 128 or 256 (32 compiles, not built)
+    bm: int = 128  # routed rows per CTA (= the routing tile): 32, 64, 128 or 256
     bn: int = 128  # weight rows per CTA: 128 or 256 (two halves)
     bk: int = 64  # K per stage: 128 bytes of bf16 = one 128B-swizzle row
     stages: int = 6  # token tile + raw weight ring depth (20.5 KB a stage)
@@ -163,7 +162,7 @@ class WgmmaConfig:
         return self.bn // WEIGHT_HALF
 
     def check(self) -> None:
-        assert self.bm in (32,) + TILES and self.bn in (128, 256), "the thread mappings assume 32- to 128-row blocks"
+        assert self.bm in TILES and self.bn in (128, 256), "the thread mappings assume 32- to 128-row blocks"
         assert self.blocks * self.halves <= 2, "at most two 64 x 128 fp32 accumulators a consumer thread"
         assert self.bk == 64, "one stage must be one 4-block group of the 128x4 scale layout"
         assert self.stages >= 3, "the consumers hold up to two stages (wgmma wait_group(1))"
@@ -296,8 +295,8 @@ class WorkItem:
 # ----------------------------------------------------------------------------------------------------------------
 def token_copy_partition(cfg: WgmmaConfig, tokens, tid):
     """Thread t copies 16-byte chunk t % 8 of rows t // 8 + 16 i (i < token_block / 16) of each stage of one token
-    block. Returns the cp.async atom, the block's partition ((8,1), token_block / 16, 1, stages) and the (m, k)
-    coordinate of each chunk."""
+    block. Returns
+    the cp.async atom, the block's partition ((8,1), 8, 1, stages) and the (m, k) coordinate of each chunk."""
     cp_atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                   BFloat16, num_bits_per_copy=128)
     g2s = cute.make_tiled_copy_tv(cp_atom, cute.make_layout((WARPGROUP // 8, 8), stride=(8, 1)),
