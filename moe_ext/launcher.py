@@ -388,10 +388,10 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     (benchmarks/results/h200_session14_checks.md §2). Where experts average 32-63 rows and the 64-token wgmma GEMMs are
     linked (`narrow_wgmma`), both GEMMs take them instead, in the widest weight tiles allowed: one m64n64 block where a
     128-token tile multiplies a padding half; at 32 rows (T=1024 on DeepSeek-V3, its EP8 shard and gpt-oss-120b)
-    1.17-1.29x faster kernels, at 64 (Qwen3 T=1024, Mixtral T=256) 0.78-0.91x. Where they average
-    12-31 rows (NARROW_WGMMA_MIN_ROWS), the 32-token wgmma tiles (widest weight tiles allowed): at 12-24 rows 1.06-1.60x
-    faster kernels than the streaming default, at 8 rows (gpt-oss T=256) 0.96x (benchmarks/results/
-    h200_session25_checks.md; slower than streaming before the wgmma token K order, session 23).
+    1.17-1.29x faster kernels, at 64 (Qwen3 T=1024, Mixtral T=256) 0.78-0.91x. Where they average 12-31 rows
+    (NARROW_WGMMA_MIN_ROWS), the 32-token wgmma tiles, in the widest weight tiles allowed: at 12-24 rows 1.06-1.60x
+    faster kernels than the streaming default, at 8 rows (gpt-oss T=256) 0.96x (h200_session25_checks.md; slower
+    than streaming before the wgmma token K order, session 23).
     On a THREE_CTA_TILES tile (`three_ctas`), an unsplit GEMM whose expected CTAs fill three an SM takes THREE_CTAS:
     GEMM1 1.06-1.21x and GEMM2 1.27-1.80x there; at 256 CTAs it was 0.76-0.96x (h200_session17_checks.md).
     """

@@ -39,9 +39,9 @@ def check_against_reference(case, fused, every_tile=True, **over):
         chosen = [(tiles[0], 1, 1), (tiles[-1], 2, 4)]
     W = launcher.WGMMA
     WW = launcher.WGMMA_WIDE
-    wgmma = [t for t in [(launcher.WGMMA_TILE, W, W), (launcher.WIDE_WGMMA_TILE, W, W), (launcher.WGMMA_TILE, WW, WW),
-                         (32, W, W), (64, W, W), (32, WW, WW),
-                         (64, WW, WW)] if t in HOPPER.tactics(problem)]  # the wgmma GEMMs (both)
+    wgmma = [t for t in [(launcher.WGMMA_TILE, W, W), (launcher.WIDE_WGMMA_TILE, W, W), (launcher.WGMMA_TILE, WW, WW)]
+             + [(t, s, s) for t in launcher.NARROW_WGMMA_TILES for s in (W, WW)]
+             if t in HOPPER.tactics(problem)]  # the wgmma GEMMs (both)
     assert (launcher.WGMMA_TILE, W, W) in wgmma, "every mode links the wgmma GEMMs"  # and the 256 ones, when built
     assert {(32, W, W), (64, W, W)} <= set(wgmma), "every mode links the 32- and 64-token wgmma GEMMs"
     chosen += wgmma

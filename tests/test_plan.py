@@ -259,7 +259,7 @@ def test_a_wgmma_split_launches_that_gemms_wgmma_kernel_unsplit(monkeypatch, k_s
             fake_forward(monkeypatch, "w4a16", False, tile=launcher.WGMMA_TILE, k_splits=mixed)
 
 
-@pytest.mark.parametrize("tile", [32, 64])
+@pytest.mark.parametrize("tile", launcher.NARROW_WGMMA_TILES)
 @pytest.mark.parametrize("k_splits", [(0, 0), (-1, 0), (-1, -1)])
 def test_narrow_wgmma_tiles_launch_their_own_wgmma_kernels(monkeypatch, tile, k_splits):
     """32- and 64-token routing tiles run the wgmma GEMMs built for them (one m64n32 / m64n64 block a tile), in

@@ -295,8 +295,8 @@ class WorkItem:
 # ----------------------------------------------------------------------------------------------------------------
 def token_copy_partition(cfg: WgmmaConfig, tokens, tid):
     """Thread t copies 16-byte chunk t % 8 of rows t // 8 + 16 i (i < token_block / 16) of each stage of one token
-    block. Returns
-    the cp.async atom, the block's partition ((8,1), 8, 1, stages) and the (m, k) coordinate of each chunk."""
+    block. Returns the cp.async atom, the block's partition ((8,1), token_block / 16, 1, stages) and the (m, k)
+    coordinate of each chunk."""
     cp_atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
                                   BFloat16, num_bits_per_copy=128)
     g2s = cute.make_tiled_copy_tv(cp_atom, cute.make_layout((WARPGROUP // 8, 8), stride=(8, 1)),
