@@ -288,6 +288,24 @@ def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernel
         assert kernel_sass.mainloop_local_ops(listing) == 0, name
         assert kernel_sass.serialized_wgmmas(listing) == 0, name
         assert kernel_sass.wgmma_widths(listing) == [128], name  # m64n128k16: one 128-token block per wgmma
+    for tokens in (32, 64):  # the narrow tiles: one m64n32 / m64n64 block
+        for name in (f"moe_gemm1_w4a16_swiglu_t{tokens}_wgmma", f"moe_gemm1_w4a8_relu2_t{tokens}_wgmma_n256",
+                     f"moe_gemm2_w4a16_t{tokens}_wgmma", f"moe_gemm2_w4a8_t{tokens}_wgmma_n256"):
+            listing = kernel_sass.sass(str(built_kernels / f"{name}.o"))
+            assert kernel_sass.mainloop_local_ops(listing) == 0, name
+            assert kernel_sass.serialized_wgmmas(listing) == 0, name
+            assert kernel_sass.wgmma_widths(listing) == [tokens], name
+
+
+def test_wgmma_gemms_split_the_register_file_between_their_roles(built_kernels, kernel_sass):
+    """Every wgmma GEMM's copier gives registers back and its consumers take them (setmaxnreg: USETMAXREG in SASS).
+    ptxas drops both where it cannot tell the register count at kernel entry (it could not for the 32- and 64-token
+    kernels before their launches set min_blocks_per_mp: session 26), and then every role runs on one budget."""
+    names = [n for n in (built_kernels / "kernels.txt").read_text().split() if "_wgmma" in n]
+    assert len(names) == 126
+    for name in names:
+        listing = kernel_sass.sass(str(built_kernels / f"{name}.o"))
+        assert "USETMAXREG.DEALLOC" in listing and "USETMAXREG.TRY_ALLOC" in listing, name
 
 
 def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):

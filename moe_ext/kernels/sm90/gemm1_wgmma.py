@@ -7,9 +7,9 @@ routing kernel decoded them exactly (routing.py). Work items (m, n), live tiles 
 the persistent CTAs (a fixed grid; the device-side live count sets the items): item (m, n) takes routing tile m
 (128 permuted rows of one local expert) and weight rows [128n, 128n + 128) of this launch's N1 rows. Token rows
 are gathered through permuted_to_expanded (token = expanded // top_k); rows at or past the tile's limit read the
-last valid row and are not stored. With the 64-row up/gate interleave a 128-row weight tile gives intermediate
-columns [col_offset + 64n, col_offset + 64n + 64) (up in accumulator columns 0..63, gate in 64..127); Relu2 gives
-128.
+last valid row and are not stored, or on 128-token tiles (zero_padding) are zeros and stored as zeros. With the
+64-row up/gate interleave a 128-row weight tile gives intermediate columns [col_offset + 64n, col_offset + 64n +
+64) (up in accumulator columns 0..63, gate in 64..127); Relu2 gives 128.
 
 The FC2 input goes to `out_bf16` as bf16 in every mode, for the wgmma GEMM2, each 64-column group in its token K
 order (wgmma_mainloop.stage_position):
@@ -96,9 +96,16 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
                 out += words
             mainloop.write_k_permuted(group_addr, out, c0 % 64)  # in the wgmma GEMM2's token K order
 
+        def zero_padding(item, n_tile, half, row):
+            # zero_padding: GEMM2's wgmmas then multiply zeros in the padding rows too
+            c0 = half * per_thread
+            group_addr = out_bf16.iterator.toint() + (
+                Int64(row) * Int64(inter) + Int64(col_offset + n_tile * width + c0 // 64 * 64)) * Int64(2)
+            mainloop.write_k_permuted(group_addr, [Int32(0)] * (per_thread // 2), c0 % 64)
+
         mainloop.run_roles(cfg, tidx, cta, num_live_tiles[0], tok_layout, tiled_mma, tile_to_expert,
                            tile_to_mn_limit, x_bf16.iterator.toint(), token_row_offset, w1_tma_atom, w1_tma, w1_sf,
-                           n1, hidden, epilogue)
+                           n1, hidden, epilogue, pad_epilogue=zero_padding)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
@@ -116,7 +123,8 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
                            tile_to_expert, tile_to_mn_limit, num_live_tiles, out_bf16, fc2_input_scale, hidden, n1,
                            inter, col_offset, top_k, p0, p1, p2, p3, tiled_mma, tok_layout).launch(
             grid=(cfg.ctas, 1, 1), block=(cfg.threads, 1, 1),
-            smem=storage.size_in_bytes(), stream=stream, use_pdl=pdl)
+            smem=storage.size_in_bytes(), stream=stream, use_pdl=pdl,
+            min_blocks_per_mp=1)  # ptxas honours setmaxnreg only with a known register count at entry
 
     return launch
 

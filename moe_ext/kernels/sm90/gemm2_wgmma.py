@@ -91,7 +91,8 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
                            inter, out_pitch, col_offset, top_k, fused, tiled_mma, tok_layout, a_tma_atom,
                            a_tma).launch(
             grid=(cfg.ctas, 1, 1), block=(cfg.threads, 1, 1),
-            smem=storage.size_in_bytes(), stream=stream, use_pdl=pdl)
+            smem=storage.size_in_bytes(), stream=stream, use_pdl=pdl,
+            min_blocks_per_mp=1)  # ptxas honours setmaxnreg only with a known register count at entry
 
     return launch
 

@@ -137,6 +137,12 @@ class WgmmaConfig:
     # Token stages as TMA boxes (warp 0 of the copier, one 128 x bk box a block) instead of the copier's cp.async
     # gather: for token rows contiguous per routing tile (GEMM2's FC2 input, in permuted order).
     tma_tokens: bool = False
+    # Zeros in the routing tile's padding rows: the copier zero-fills its padding token rows and GEMM1 stores its
+    # padding FC2-input rows as zeros (GEMM2 loads them), so the wgmmas multiply zeros there. Zeros draw less power
+    # than data, and prefill forwards run at the H200's power cap: DeepSeek-V3 T=4096 (128-token tiles, a third of
+    # their rows padding) 1.02x; Mixtral T=4096 (256-token tiles, ~1/10 padding) 0.99x. Only the 128-token tiles
+    # take it (32/64-token ones, below the cap, not measured).
+    zero_padding: bool = False
 
     @property
     def threads(self) -> int:
@@ -196,7 +202,7 @@ def config_for_tile(tile: int, sf_block: int, weight_rows: int = 128) -> WgmmaCo
     if tile == 256:
         assert weight_rows == 128, "two token blocks and two weight halves would need four accumulators"
         return WgmmaConfig(bm=256, stages=4, copier_regs=56, consumer_regs=224, sf_block=sf_block)
-    return WgmmaConfig(bn=weight_rows, sf_block=sf_block)
+    return WgmmaConfig(bn=weight_rows, sf_block=sf_block, zero_padding=True)
 
 
 def make_tiled_mma(cfg: WgmmaConfig):
@@ -209,8 +215,10 @@ def make_tiled_mma(cfg: WgmmaConfig):
 def token_layout(cfg: WgmmaConfig):
     """128B-swizzled K-major stage layout of one token block (token_block rows x bk, the wgmma B operand),
     `stages` deep. Call inside a jit."""
-    return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WEIGHT_HALF, cfg.token_block, cfg.bk), BFloat16,
-                                         cfg.stages)
+    layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (WEIGHT_HALF, cfg.token_block, cfg.bk), BFloat16,
+                                           cfg.stages)
+    assert str(layout.inner) == "S<3,4,3>", "issue_token_stage swizzles its shared addresses by hand"
+    return layout
 
 
 def make_storage(cfg: WgmmaConfig, tok_layout):
@@ -304,23 +312,35 @@ def token_copy_partition(cfg: WgmmaConfig, tokens, tid):
     return cp_atom, g2s.partition_D(tokens), g2s.partition_D(cute.make_identity_tensor((cfg.token_block, cfg.bk)))
 
 
-def token_sources(tAcA, a_base: Int64, a_row_offset) -> cute.Tensor:
-    """Global address of each of this thread's token chunks at K = 0 (64-bit: T * H can pass 2^31)."""
+def token_sources(tAcA, a_base: Int64, a_row_offset, live_rows=None):
+    """Global address of each of this thread's token chunks at K = 0 (64-bit: T * H can pass 2^31), and with
+    `live_rows` the bytes each copies: 16, or 0 (cp.async fills zeros) for a row at or past it (zero_padding)."""
     chunks = cute.size(tAcA, mode=[1])
     a_src = cute.make_rmem_tensor((chunks,), Int64)
+    a_bytes = None if live_rows is None else cute.make_rmem_tensor((chunks,), Int32)
     for i in range(chunks):
         m, k = tAcA[(0, i, 0)]
         a_src[i] = a_base + a_row_offset(m) + Int64(k) * Int64(2)
-    return a_src
+        if live_rows is not None:
+            a_bytes[i] = Int32(cutlass.select_(m < live_rows, Int32(16), Int32(0)))
+    return a_src, a_bytes
 
 
-def issue_token_stage(cfg: WgmmaConfig, cp_atom, tAsA, a_src: cute.Tensor, kt, stage):
-    """cp.async 16 bytes of each of this thread's token chunks of K stage kt into the token tile's `stage`."""
+def issue_token_stage(cfg: WgmmaConfig, cp_atom, tAsA, sources, kt, stage):
+    """cp.async 16 bytes of each of this thread's token chunks of K stage kt into the token tile's `stage`
+    (token_sources: with zero_padding, zeros for padding rows)."""
+    a_src, a_bytes = sources
     k_bytes = Int64(kt) * Int64(cfg.bk * 2)
     for i in range(cute.size(tAsA, mode=[1])):
-        src = cute.make_tensor(cute.make_ptr(BFloat16, a_src[i] + k_bytes, cute.AddressSpace.gmem, assumed_align=16),
-                               cute.make_layout(((8, 1),)))
-        cute.copy(cp_atom, src, tAsA[(None, i, 0, stage)])
+        if cutlass.const_expr(cfg.zero_padding):
+            # cute.copy has no zero fill. toint() of a pointer with the token layout's 128-byte swizzle (S<3,4,3>
+            # on byte addresses) is the unswizzled address; its loads and stores xor bits 7-9 into bits 4-6.
+            addr = tAsA[(None, i, 0, stage)].iterator.toint()
+            ptx.cp_async_16(addr ^ ((addr >> 3) & 0x70), a_src[i] + k_bytes, a_bytes[i])
+        else:
+            src = cute.make_tensor(cute.make_ptr(BFloat16, a_src[i] + k_bytes, cute.AddressSpace.gmem,
+                                                 assumed_align=16), cute.make_layout(((8, 1),)))
+            cute.copy(cp_atom, src, tAsA[(None, i, 0, stage)])
 
 
 class RawRing:
@@ -410,14 +430,15 @@ def decode_a_stage(cfg: WgmmaConfig, ring: RawRing, ring8: RawRing, lut: Int32, 
 
 @cute.jit
 def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_scales: Int32, tid, a_base: Int64,
-                a_row_offset: cutlass.Constexpr, token_tma, first_token_row, tma_atom, tma_w, w_sf, expert, first_row,
-                rows_per_expert, k_extent, fill):
+                a_row_offset: cutlass.Constexpr, token_tma, first_token_row, token_limit, tma_atom, tma_w, w_sf,
+                expert, first_row, rows_per_expert, k_extent, fill):
     """The copier over all K stages of one work item, from ring state `fill` (returned advanced). A row m of the
-    token tile starts `a_row_offset(m)` bytes past `a_base` (bf16, 16-byte aligned rows), or with cfg.tma_tokens
-    is row first_token_row + m of `token_tma` (token_box_tma's atom and tensor); the weight rows are
-    [first_row, first_row + bn) of `expert` in the 4-bit `w` of `rows_per_expert` rows and K = k_extent, block
-    scales `w_sf` (cfg.sf_block). The copier waits for its last copies once, after its last item."""
-    blocks = []  # (cp.async atom, block partition, gather addresses) of each token block the copier gathers
+    token tile starts `a_row_offset(m)` bytes past `a_base` (bf16, 16-byte aligned rows; with cfg.zero_padding
+    rows from token_limit - first_token_row on are zeros), or with cfg.tma_tokens is row first_token_row + m of
+    `token_tma` (token_box_tma's atom and tensor); the weight rows are [first_row, first_row + bn) of `expert` in
+    the 4-bit `w` of `rows_per_expert` rows and K = k_extent, block scales `w_sf` (cfg.sf_block). The copier waits
+    for its last copies once, after its last item."""
+    blocks = []  # (cp.async atom, block partition, token_sources) of each token block the copier gathers
     token_boxes = []  # (TMA atom, smem partition, box partition, row tile) of each token block warp 0 loads
     for b in cutlass.range_constexpr(cfg.blocks):
         if cutlass.const_expr(cfg.tma_tokens):
@@ -428,8 +449,9 @@ def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_sc
             token_boxes.append((atom, tAsA, tAgA, first_token_row // cfg.token_block + b))
         else:
             cp_atom, tAsA, tAcA = token_copy_partition(cfg, tokens[b], tid)
-            blocks.append((cp_atom, tAsA, token_sources(tAcA, a_base,
-                                                        lambda m: a_row_offset(m + b * cfg.token_block))))
+            live_rows = token_limit - first_token_row - b * cfg.token_block if cfg.zero_padding else None
+            blocks.append((cp_atom, tAsA, token_sources(tAcA, a_base, lambda m: a_row_offset(m + b * cfg.token_block),
+                                                        live_rows)))
     ring = cute.make_tensor(cute.make_ptr(cutlass.Uint8, raw_codes, cute.AddressSpace.smem, assumed_align=1024),
                             cute.make_layout((1, cfg.bn, cfg.bk // 2, cfg.stages),
                                              stride=(0, cfg.bk // 2, 1, cfg.bn * cfg.bk // 2)))
@@ -447,8 +469,8 @@ def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_sc
         copied.producer_acquire(fill)  # the consumers are done with the stage's tokens and raw weights
         if warp == 0:
             issue_b_stage(cfg, copied, fill, tma_atom, boxes, slots, sf_tiles, token_boxes, kt, tid % 32)
-        for cp_atom, tAsA, a_src in blocks:
-            issue_token_stage(cfg, cp_atom, tAsA, a_src, kt, fill.index)
+        for cp_atom, tAsA, sources in blocks:
+            issue_token_stage(cfg, cp_atom, tAsA, sources, kt, fill.index)
         copied.producer_commit(fill)  # cp.async.mbarrier.arrive.noinc: lands with this thread's copies
         fill.advance()
     return fill
@@ -559,14 +581,15 @@ def epilogue_thread(ctid):
 def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cute.TiledMma,
               tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, a_base: Int64,
               a_row_offset: cutlass.Constexpr, tma_atom, tma_w, w_sf, rows_per_expert, k_extent,
-              epilogue: cutlass.Constexpr, token_tma=None):
+              epilogue: cutlass.Constexpr, token_tma=None, pad_epilogue: cutlass.Constexpr = None):
     """Every role of a wgmma GEMM over its work items (`live` routing tiles x rows_per_expert / bn column tiles):
     the copier gathers token row m of an item from `a_row_offset(item, m)` bytes past `a_base` (with
     cfg.tma_tokens: loads rows item.row0 + m of `token_tma` as boxes), the weights are
     `tma_w` / `w_sf` (K = k_extent), and after each item, for each weight half and token block with its fp32 tile
     in s_c, each consumer thread calls `epilogue(item, n_tile, s_c, r, half, row)` for the half's WEIGHT_HALF-row
     column tile n_tile, its s_c row r (routed row `row`, valid) and column half (epilogue_thread); the tile holds
-    the products times 2^-63 (ACCUMULATOR_SCALE)."""
+    the products times 2^-63 (ACCUMULATOR_SCALE). With cfg.zero_padding and `pad_epilogue`, each thread whose row
+    is the tile's padding (at or past its limit) calls `pad_epilogue(item, n_tile, half, row)` instead."""
     wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
     raster = make_raster(cfg, live, rows_per_expert, k_extent)
     items = live * raster.columns
@@ -577,8 +600,8 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
         for w in cutlass.range(cta, items, cfg.ctas, unroll=1):
             item = WorkItem(cfg, w, raster, tile_to_expert, tile_to_mn_limit)
             fill = copy_stages(cfg, copied, tokens, raw_codes, raw_scales, tidx, a_base,
-                               lambda m: a_row_offset(item, m), token_tma, item.row0, tma_atom, tma_w, w_sf,
-                               item.expert, item.n_tile * cfg.bn, rows_per_expert, k_extent, fill)
+                               lambda m: a_row_offset(item, m), token_tma, item.row0, item.limit, tma_atom, tma_w,
+                               w_sf, item.expert, item.n_tile * cfg.bn, rows_per_expert, k_extent, fill)
         drain_copies()
     else:
         cute.arch.setmaxregister_increase(cfg.consumer_regs)
@@ -598,6 +621,9 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
                 n_tile = item.n_tile if cutlass.const_expr(cfg.halves == 1) else item.n_tile * cfg.halves + h
                 if row < item.limit:
                     epilogue(item, n_tile, s_c, r, half, row)
+                if cutlass.const_expr(cfg.zero_padding and pad_epilogue is not None):
+                    if row >= item.limit and r < cfg.token_block:
+                        pad_epilogue(item, n_tile, half, row)
 
             read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, tiled_mma, wg, ctid,
                                     k_extent, read, release, finish)
