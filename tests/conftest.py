@@ -181,6 +181,24 @@ def reference_and_gate(problem, tolerance: float, orders: int = 16) -> tuple:
     return exact, max(tolerance, 1.25 * worst)
 
 
+def forward_in_fresh_buffers(problem, tile: int, k_splits: tuple, intermediate_fill=None):
+    """One kernel forward (fused finalize) on `tile`-token routing tiles with `k_splits`, into freshly allocated
+    routing and kernel buffers (the FC2 input buffer first filled with `intermediate_fill`, if given); returns
+    (routing, buffers) once the GPU is done."""
+    from moe_ext import launcher
+
+    T, K, H, I = problem.num_tokens, problem.top_k, problem.hidden_size, problem.intermediate_size
+    routing = launcher.allocate_routing(T, K, problem.num_local_experts, tile, problem.device)
+    buffers = launcher.KernelBuffers.allocate(problem.quant_mode, routing.permuted_to_expanded.numel(), I, T, K, H,
+                                              problem.device)
+    if intermediate_fill is not None:
+        buffers.intermediate_bf16.fill_(intermediate_fill)
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=problem.device)
+    launcher.forward(problem, routing, buffers, out, True, k_splits)
+    torch.cuda.synchronize()
+    return routing, buffers
+
+
 def kernel_fc2_input_per_token(problem, monkeypatch) -> dict:
     """w4a4 per-token on the streaming tactic (8, 1, 1): GEMM1's bf16 FC2 input h of the live rows (a
     forward without the per-token quantizer's launch), what a whole forward leaves in its place (the quantization
@@ -190,20 +208,16 @@ def kernel_fc2_input_per_token(problem, monkeypatch) -> dict:
     from moe_ext import launcher
     from moe_ext.quant.block import nvfp4_quantize_per_token
 
-    T, K, H, I = problem.num_tokens, problem.top_k, problem.hidden_size, problem.intermediate_size
+    I = problem.intermediate_size
 
     def run(skip_quantizer: bool):
-        routing = launcher.allocate_routing(T, K, problem.num_local_experts, 8, problem.device)
-        rows = routing.permuted_to_expanded.numel()
-        buffers = launcher.KernelBuffers.allocate(problem.quant_mode, rows, I, T, K, H, problem.device)
-        out = torch.empty(T, H, dtype=torch.bfloat16, device=problem.device)
         with monkeypatch.context() as patch:
             if skip_quantizer:
                 launch = launcher.launch
                 patch.setattr(launcher, "launch", lambda name, *args, **kwargs: None
                               if name == "moe_fc2_quant_per_token" else launch(name, *args, **kwargs))
-            launcher.forward(problem, routing, buffers, out, True, (1, 1))
-        torch.cuda.synchronize()
+            routing, buffers = forward_in_fresh_buffers(problem, 8, (1, 1))
+        rows = routing.permuted_to_expanded.numel()
         # An expert's rows may land in another order each routing (atomics): rows go by expanded index.
         expanded, order = routing.permuted_to_expanded.sort()
         live = order[expanded >= 0]

@@ -9,8 +9,8 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import (ACTS, GRID_FACTORS, TOLERANCE, gpu, grid_allowed, kernel_fc2_input_per_token, make_case,
-                      reference_and_gate, rel_l2, replays_with_new_inputs)
+from conftest import (ACTS, GRID_FACTORS, TOLERANCE, forward_in_fresh_buffers, gpu, grid_allowed,
+                      kernel_fc2_input_per_token, make_case, reference_and_gate, rel_l2, replays_with_new_inputs)
 
 import moe_ext
 from moe_ext import launcher
@@ -117,14 +117,8 @@ def test_wgmma_gemm1_writes_its_padding_rows_as_zeros(tactic, kind):
     prefill forwards at the H200's power cap run faster for (WgmmaConfig.zero_padding). No output depends on it."""
     case = make_case("w4a16", kind, num_tokens=300, top_k=2, num_experts=8, hidden=256, inter=256, seed=6).to("cuda")
     problem = build_problem(**case.kwargs())
-    T, K, H, I = problem.num_tokens, problem.top_k, problem.hidden_size, problem.intermediate_size
-    tile = tactic[0]
-    routing = launcher.allocate_routing(T, K, problem.num_local_experts, tile, problem.device)
-    rows = routing.permuted_to_expanded.numel()
-    buffers = launcher.KernelBuffers.allocate(problem.quant_mode, rows, I, T, K, H, problem.device)
-    buffers.intermediate_bf16.fill_(3.0)
-    out = torch.empty(T, H, dtype=torch.bfloat16, device=problem.device)
-    launcher.forward(problem, routing, buffers, out, True, tactic[1:])
+    I, tile = problem.intermediate_size, tactic[0]
+    routing, buffers = forward_in_fresh_buffers(problem, tile, tactic[1:], intermediate_fill=3.0)
     live = int(routing.num_live_tiles.item()) * tile
     h = buffers.intermediate_bf16[:live * I].view(live, I)
     padding = routing.permuted_to_expanded[:live] < 0
