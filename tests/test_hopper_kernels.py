@@ -110,11 +110,12 @@ def test_part_filled_routing_tiles_at_their_edges(mode):
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "relu2"])
-@pytest.mark.parametrize("tactic", [(launcher.WGMMA_TILE, W, W), (launcher.WGMMA_TILE, WW, WW)], ids=str)
+@pytest.mark.parametrize("tactic", [(tile, W, W) for tile in (64, launcher.WGMMA_TILE)]
+                         + [(launcher.WGMMA_TILE, WW, WW)], ids=str)
 def test_wgmma_gemm1_writes_its_padding_rows_as_zeros(tactic, kind):
-    """On 128-token tiles the wgmma GEMM1 stores the padding rows of its FC2 input as zeros (its own padding token
-    rows are zero-filled too), so the wgmma GEMM2 multiplies zeros there: padding then draws less power, which the
-    prefill forwards at the H200's power cap run faster for (WgmmaConfig.zero_padding). No output depends on it."""
+    """On 64- and 128-token tiles the wgmma GEMM1 stores the padding rows of its FC2 input as zeros (its own padding
+    token rows are zero-filled too), so the wgmma GEMM2 multiplies zeros there: padding then draws less power, which
+    the forwards at the H200's power cap run faster for (WgmmaConfig.zero_padding). No output depends on it."""
     case = make_case("w4a16", kind, num_tokens=300, top_k=2, num_experts=8, hidden=256, inter=256, seed=6).to("cuda")
     problem = build_problem(**case.kwargs())
     I, tile = problem.intermediate_size, tactic[0]

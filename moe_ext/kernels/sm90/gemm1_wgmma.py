@@ -7,7 +7,7 @@ routing kernel decoded them exactly (routing.py). Work items (m, n), live tiles 
 the persistent CTAs (a fixed grid; the device-side live count sets the items): item (m, n) takes routing tile m
 (128 permuted rows of one local expert) and weight rows [128n, 128n + 128) of this launch's N1 rows. Token rows
 are gathered through permuted_to_expanded (token = expanded // top_k); rows at or past the tile's limit read the
-last valid row and are not stored, or on 128-token tiles (zero_padding) are zeros and stored as zeros. With the
+last valid row and are not stored, or on 64- and 128-token tiles (zero_padding) are zeros and stored as zeros. With the
 64-row up/gate interleave a 128-row weight tile gives intermediate columns [col_offset + 64n, col_offset + 64n +
 64) (up in accumulator columns 0..63, gate in 64..127); Relu2 gives 128.
 
