@@ -20,10 +20,13 @@ How a point is measured, and why:
   library itself decides (validation + backend choice); its records carry padded_from.
 - Peers (moe_ext/bench_peers.py) run in the same process on the same routing sets, at the model's own dims.
 - A point that fails (out of memory, unsupported) is recorded with its error and the sweep goes on.
+- With --energy-seconds, each point also replays for that long between two reads of NVML's energy counter
+  (energy_mj per forward): at the power cap a forward's time follows its energy, so A/Bs there compare both.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import math
@@ -173,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="time budget of warm-up + timed replays; slow points get fewer replays (>= 5 timed)")
     parser.add_argument("--max-weight-gb", type=float, default=40.0,
                         help="skip a point whose weights (all rotated copies) exceed this many GB")
+    parser.add_argument("--energy-seconds", type=float, default=0.0,
+                        help="also replay each point for about this long between two reads of NVML's energy "
+                             "counter: energy_mj per forward (0: off)")
     parser.add_argument("--min-rotations", type=int, default=4, help="input sets (graphs) rotated at least")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tactic", type=tactic_choice, default="tuned",
@@ -189,8 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.iters < 1 or args.warmup < 0 or args.host_iters < 1 or args.max_seconds_per_point <= 0:
-        parser.error("--iters and --host-iters must be >= 1, --warmup >= 0, --max-seconds-per-point > 0")
+    if (args.iters < 1 or args.warmup < 0 or args.host_iters < 1 or args.max_seconds_per_point <= 0
+            or args.energy_seconds < 0):
+        parser.error("--iters and --host-iters must be >= 1, --warmup and --energy-seconds >= 0, "
+                     "--max-seconds-per-point > 0")
     if args.out is None:
         args.out = DEFAULT_HOST_OUT if args.host_overhead else DEFAULT_OUT
     return args
@@ -540,6 +548,54 @@ def gpu_state(device: torch.device) -> dict:
     return {}
 
 
+class EnergyCounter:
+    """NVML's total energy counter of one GPU (millijoules since the driver loaded), read through the driver's own
+    libnvidia-ml with ctypes (no Python NVML package on the offline machines). Under the H200's power cap a
+    forward's time follows its energy, so energy per forward separates two builds that clock noise hides.
+    `read()` is None where NVML or the counter is missing."""
+
+    def __init__(self, index: int) -> None:
+        self._lib = self._handle = None
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            handle = ctypes.c_void_p()
+            if lib.nvmlInit_v2() == 0 and lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index),
+                                                                          ctypes.byref(handle)) == 0:
+                self._lib, self._handle = lib, handle
+        except (OSError, AttributeError):
+            pass
+
+    def read(self) -> int | None:
+        if self._lib is None:
+            return None
+        value = ctypes.c_ulonglong()
+        if self._lib.nvmlDeviceGetTotalEnergyConsumption(self._handle, ctypes.byref(value)) != 0:
+            return None
+        return value.value
+
+
+def replay_energy(graphs: list[torch.cuda.CUDAGraph], forward_us: float, seconds: float,
+                  counter: EnergyCounter) -> dict:
+    """Millijoules per forward over back-to-back replays (graphs round-robin) lasting about `seconds`: the
+    counter is read with the GPU idle before them and after they finish, so the window holds only the replays
+    and their launch. {} where the counter cannot be read."""
+    replays = max(len(graphs), int(seconds * 1e6 / max(forward_us, 1e-3)))
+    torch.cuda.synchronize()
+    before = counter.read()
+    if before is None:
+        return {}
+    start = time.perf_counter()
+    _keep_gpu_busy(min(replays, 64))  # the host enqueues ahead; at most ~1.6 ms of spin in the window
+    for i in range(replays):
+        graphs[i % len(graphs)].replay()
+    torch.cuda.synchronize()
+    after, window = counter.read(), time.perf_counter() - start
+    if after is None or after <= before:  # a counter that did not tick over the window tells nothing
+        return {}
+    return dict(energy_mj=round((after - before) / replays, 4), energy_replays=replays,
+                energy_window_s=round(window, 3), energy_avg_w=round((after - before) / 1e3 / window, 1))
+
+
 def _keep_gpu_busy(replays: int) -> None:
     """Queue a spin kernel long enough (~25 us per replay) for the host to enqueue every replay behind it, so
     each replay starts as soon as the previous one ends and no sample includes host launch latency."""
@@ -591,6 +647,7 @@ class Run:
     meta: dict
     records: list
     triton_unavailable: str | None = None
+    energy: EnergyCounter | None = None  # with --energy-seconds
 
     def add(self, record: dict) -> None:
         """Keep, print and save at once, so a run cut short still leaves every finished point on disk."""
@@ -639,6 +696,8 @@ def timed(run: Run, point: Point, forwards: list[Callable[[], torch.Tensor]], st
     graphs, outputs = capture_graphs(forwards)
     samples = time_replays(graphs, run.args.warmup, run.args.iters, run.args.max_seconds_per_point)
     state = gpu_state(run.device)
+    if run.args.energy_seconds > 0:
+        state.update(replay_energy(graphs, statistics.median(samples), run.args.energy_seconds, run.energy))
     finite = all(bool(torch.isfinite(out).all()) for out in outputs)
     return build_record(point, samples, stats, run.meta, graphs=len(graphs), output_finite=finite, **state, **extra)
 
@@ -955,6 +1014,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
     run = Run(args, device, l2_bytes(device), run_metadata(argv, torch.cuda.get_device_name(device)), [])
+    if args.energy_seconds > 0:
+        run.energy = EnergyCounter(device.index)
     print(f"{run.meta['gpu']}, torch {run.meta['torch']}, L2 {run.l2 / 2 ** 20:.0f} MiB, tree {run.meta['git_rev']}")
     print(f"writing {args.out}\n{TABLE_HEADER}", flush=True)
     if args.host_overhead:

@@ -10,7 +10,8 @@
 #   ab_wgmma:  install, profile (each tactic of $AB_TACTICS at $AB_POINTS, default as prefill) and check
 #              (wgmma-heavy kernel tests) each directory of $AB_DIRS, then reinstall $MOE_EXT_KERNEL_DIR (unless alone)
 #   ab_bench:  whole forwards (graph replays, w4a16, fused) of each directory of $AB_DIRS at $AB_SHAPES x $AB_TOKENS
-#              with $AB_BENCH_TACTIC (default: the heuristic's, untuned), in interleaved rounds ($AB_ROUNDS)
+#              with $AB_BENCH_TACTIC (default: the heuristic's, untuned), in interleaved rounds ($AB_ROUNDS), and
+#              each point's energy per forward over $AB_ENERGY_SECONDS (default 0.5 s) of replays (NVML's counter)
 #   ab_tactics: per-kernel profile of each tactic of $AB_TACTICS ("default" or "tile,split1,split2") at $AB_POINTS
 #   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels);
 #              $SWEEP_TOKENS and $SWEEP_SHAPES narrow it
@@ -170,8 +171,10 @@ elif [ "$PART" = ab_bench ]; then  # what per-kernel sums miss: gaps between ker
       name="ab_bench_${d#.}_$round"
       step "$name" 200 python3 -m moe_ext.bench --shapes "${AB_SHAPES:-qwen3-30b-a3b,deepseek-v3-ep8}" \
         --tokens "${AB_TOKENS:-1,8,64}" --modes w4a16 --finalize fused --impls moe_ext \
-        --tactic "${AB_BENCH_TACTIC:-default}" --iters 50 --max-seconds-per-point 1.0 --out "$OUT/$name.json"
+        --tactic "${AB_BENCH_TACTIC:-default}" --iters 50 --max-seconds-per-point 1.0 \
+        --energy-seconds "${AB_ENERGY_SECONDS:-0.5}" --out "$OUT/$name.json"
       python3 -c "import json, sys; print(sys.argv[2] + ':', ' '.join(f\"{r['shape']}:{r['T']} {r['us']:.1f}\"
+        + (f\" ({r['energy_mj']:.1f} mJ)\" if 'energy_mj' in r else '')
         for r in json.load(open(sys.argv[1])) if 'us' in r))" "$OUT/$name.json" "$d round $round" \
         >> "$OUT/summary.txt"
     done

@@ -15,6 +15,7 @@ import moe_ext
 from moe_ext import bench, bench_peers
 from moe_ext.backends import HOPPER, REFERENCE
 from moe_ext.bench_peers import bucket_counts, grouped_mm_moe, peer_swiglu, route_buckets
+from conftest import gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED_KEYS = {"shape", "T", "quant_mode", "finalize", "impl", "us", "tbps", "tflops", "roofline_fraction",
@@ -442,6 +443,65 @@ def test_gpu_state_without_nvidia_smi_is_empty(monkeypatch):
     monkeypatch.setattr(bench.subprocess, "run", missing)
     assert bench.gpu_state(torch.device("cuda", 0)) == {}
     assert bench.gpu_state(torch.device("cpu")) == {}
+
+
+class FakeCounter:
+    """An energy counter that reads `values` in turn (millijoules)."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def read(self):
+        return self.values.pop(0)
+
+
+class FakeGraph:
+    replays = 0
+
+    def replay(self):
+        FakeGraph.replays += 1
+
+
+@pytest.mark.parametrize("readings,expected", [
+    ((1_000, 1_000 + 5 * 40), dict(energy_mj=5.0, energy_replays=40)),  # 40 replays of ~25 us fill 1 ms
+    ((1_000, 1_000), {}),  # the counter did not tick over the window: no number
+    ((None,), {}),  # no counter: nothing replayed, nothing recorded
+])
+def test_replay_energy_is_the_counter_delta_per_replay(monkeypatch, readings, expected):
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(bench, "_keep_gpu_busy", lambda replays: None)
+    FakeGraph.replays = 0
+    record = bench.replay_energy([FakeGraph(), FakeGraph()], forward_us=25.0, seconds=1e-3,
+                                 counter=FakeCounter(*readings))
+    assert {k: record[k] for k in expected} == expected
+    assert set(record) == (set() if not expected else {"energy_mj", "energy_replays", "energy_window_s",
+                                                       "energy_avg_w"})
+    assert FakeGraph.replays == (40 if readings[0] is not None else 0)
+
+
+def test_energy_counter_reads_none_or_a_growing_count():
+    """Where the driver's NVML is missing (CPU machines) the counter reads None; on a GPU it never goes back."""
+    counter = bench.EnergyCounter(0)
+    first = counter.read()
+    if first is None:
+        assert counter.read() is None
+    else:
+        assert counter.read() >= first > 0
+
+
+@gpu
+def test_replay_energy_of_real_replays_is_positive():
+    counter = bench.EnergyCounter(torch.cuda.current_device())
+    if counter.read() is None:
+        pytest.skip("NVML's energy counter is not readable here")
+    a = torch.randn(2048, 2048, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(8):
+            a = a @ a.T * 1e-3
+    record = bench.replay_energy([graph], forward_us=1_000.0, seconds=0.3, counter=counter)
+    assert record["energy_mj"] > 0 and record["energy_replays"] == 300
+    assert 20 < record["energy_avg_w"] < 1_500  # an H200 under load draws 100-700 W
 
 
 def load_benchmark(name: str):
