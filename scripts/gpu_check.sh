@@ -18,6 +18,7 @@
 #   prefill:   per-kernel profile of the default tactic at T=4096 on five shapes (the wgmma GEMMs)
 #   prefill_ncu: ncu sections of the wgmma GEMMs at $PREFILL_POINTS (default mixtral-8x7b:4096)
 #   ncu_source: ncu --set full of the first $NCU_KERNEL launch at each of $NCU_POINTS: details and per-SASS stalls
+#   routing_cost: graph replays with and without the routing launch at small T ($ROUTING_POINTS), into $OUT
 #   tile_choice: per-kernel times of the default tactic vs (128, wgmma, wgmma) where experts get 16-64 rows; T=16384
 #   examples:  install, memcheck of every kernel, the examples, host overhead, fused vs deterministic finalize
 #   bench:     install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
@@ -180,6 +181,10 @@ elif [ "$PART" = ab_bench ]; then  # what per-kernel sums miss: gaps between ker
     done
   done
   [ "$PARTS" = ab_bench ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
+elif [ "$PART" = routing_cost ]; then  # what the routing launch costs the decode forwards' critical path
+  step routing_cost 300 python3 benchmarks/routing_cost.py --out "$OUT/routing_cost.json" \
+    ${ROUTING_POINTS:+--points "$ROUTING_POINTS"}
+  grep "routing on the path" "$LOG/routing_cost.log" >> "$OUT/summary.txt"
 elif [ "$PART" = ab_tactics ]; then  # AB_TACTICS: tactics ("default": the heuristic's), profiled at $AB_POINTS
   profile_tactics prefill_tactic_ ""
 elif [ "$PART" = sweep ]; then  # issue 4's sweep, w4a16 fused, all three impls (carry .offline/triton_kernels_v3.6)
