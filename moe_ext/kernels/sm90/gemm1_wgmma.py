@@ -62,6 +62,12 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
             token = permuted_to_expanded[cute.math.min(item.row0 + m, item.limit - 1)] // top_k
             return Int64(token) * Int64(hidden) * Int64(2)
 
+        def fc2_group_address(n_tile, c0, row):
+            """Where FC2-input row `row` holds the 64-column group (mainloop.K_GROUP) of its intermediate column
+            col_offset + n_tile * width + c0."""
+            return out_bf16.iterator.toint() + (
+                Int64(row) * Int64(inter) + Int64(col_offset + n_tile * width + c0 // 64 * 64)) * Int64(2)
+
         def epilogue(item, n_tile, s_c, r, half, row):
             expert = item.expert
             s1 = w1_alpha[expert]
@@ -70,8 +76,7 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
             s1 = s1 * Float32(mainloop.ACCUMULATOR_SCALE)
             c0 = half * per_thread  # this thread's first intermediate column of the item's
             row_addr = s_c.iterator.toint() + r * (cfg.pitch * 4)
-            group_addr = out_bf16.iterator.toint() + (  # its 64-column group (mainloop.K_GROUP)
-                Int64(row) * Int64(inter) + Int64(col_offset + n_tile * width + c0 // 64 * 64)) * Int64(2)
+            group_addr = fc2_group_address(n_tile, c0, row)
             out = []
             for g in cutlass.range_constexpr(per_thread // group):
                 h = []
@@ -99,9 +104,7 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
         def zero_padding(item, n_tile, half, row):
             # zero_padding: GEMM2's wgmmas then multiply zeros in the padding rows too
             c0 = half * per_thread
-            group_addr = out_bf16.iterator.toint() + (
-                Int64(row) * Int64(inter) + Int64(col_offset + n_tile * width + c0 // 64 * 64)) * Int64(2)
-            mainloop.write_k_permuted(group_addr, [Int32(0)] * (per_thread // 2), c0 % 64)
+            mainloop.write_k_permuted(fc2_group_address(n_tile, c0, row), [Int32(0)] * (per_thread // 2), c0 % 64)
 
         mainloop.run_roles(cfg, tidx, cta, num_live_tiles[0], tok_layout, tiled_mma, tile_to_expert,
                            tile_to_mn_limit, x_bf16.iterator.toint(), token_row_offset, w1_tma_atom, w1_tma, w1_sf,
