@@ -17,27 +17,13 @@ import torch
 
 import moe_ext
 from moe_ext import launcher
-from moe_ext.bench import (SHAPES, Point, gpu_state, moe_ext_inputs, point_seed, random_moe_ext_weights,
-                           random_routing, supported_dims)
-
-
-def capture(forward) -> torch.cuda.CUDAGraph:
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    return graph
+from moe_ext.bench import (SHAPES, Point, capture_graphs, gpu_state, moe_ext_inputs, point_seed,
+                           random_moe_ext_weights, random_routing, supported_dims, time_replays)
 
 
 def replay_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """Median µs of `replays` back-to-back replays (each between its own events)."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    for s, e in zip(starts, ends):
-        s.record()
-        graph.replay()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+    """Median µs of up to `replays` replays, queued as the benchmark queues them (moe_ext.bench.time_replays)."""
+    return statistics.median(time_replays([graph], warmup=20, iters=replays, budget_s=1.0))
 
 
 def measure(name: str, num_tokens: int, tactic, rounds: int, replays: int) -> dict:
@@ -52,14 +38,14 @@ def measure(name: str, num_tokens: int, tactic, rounds: int, replays: int) -> di
                                         quant_mode="w4a16", device="cuda", use_cuda_graph=True,
                                         use_fused_finalize=True, **shape.wrapper_kwargs())
     full_out = wrapper.run(**inputs, tactic=tactic).clone()  # validated run: records the launches, fills the maps
-    full = capture(lambda: wrapper.run(**inputs, tactic=tactic))
+    full = capture_graphs([lambda: wrapper.run(**inputs, tactic=tactic)])[0][0]
 
     route = launcher.route
     launcher.route = lambda ids, num_local_experts, offset, out, *args, **kwargs: out  # maps stay from above
     try:
         wrapper._plans.clear()  # record again, without the routing launch
         wrapper.run(**inputs, tactic=tactic)
-        no_routing = capture(lambda: wrapper.run(**inputs, tactic=tactic))
+        no_routing = capture_graphs([lambda: wrapper.run(**inputs, tactic=tactic)])[0][0]
     finally:
         launcher.route = route
     torch.cuda.synchronize()
@@ -69,8 +55,6 @@ def measure(name: str, num_tokens: int, tactic, rounds: int, replays: int) -> di
     out = wrapper.run(**inputs, tactic=tactic).float()
     same = bool((out - full_out.float()).abs().max() <= 1e-2 * full_out.float().abs().max())
 
-    for graph in (full, no_routing):  # warm-up
-        replay_us(graph, 20)
     times = {"full": [], "no_routing": []}
     for _ in range(rounds):
         times["full"].append(replay_us(full, replays))
