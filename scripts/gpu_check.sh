@@ -19,6 +19,7 @@
 #   prefill_ncu: ncu sections of the wgmma GEMMs at $PREFILL_POINTS (default mixtral-8x7b:4096)
 #   ncu_source: ncu --set full of the first $NCU_KERNEL launch at each of $NCU_POINTS: details and per-SASS stalls
 #   routing_cost: graph replays with and without the routing launch at small T ($ROUTING_POINTS), into $OUT
+#   tma_stream: benchmarks/tma_box_stream.cu, the TMA copy path alone (box widths, bytes in flight, L2 promotion)
 #   tile_choice: per-kernel times of the default tactic vs (128, wgmma, wgmma) where experts get 16-64 rows; T=16384
 #   examples:  install, memcheck of every kernel, the examples, host overhead, fused vs deterministic finalize
 #   bench:     install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
@@ -56,9 +57,9 @@ export MOE_EXT_KERNEL_DIR=${MOE_EXT_KERNEL_DIR:-$PWD/.kernels}
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } > "$LOG/env.txt" 2>&1
 : > "$OUT/summary.txt"
-# ab_wgmma and ab_bench install each of their directories themselves, and formats needs no launcher (it JIT-compiles
-# its kernels): alone, none of them installs the default one first.
-if [ "$PARTS" != ab_wgmma ] && [ "$PARTS" != ab_bench ] && [ "$PARTS" != formats ]; then
+# ab_wgmma and ab_bench install each of their directories themselves, formats needs no launcher (it JIT-compiles
+# its kernels) and tma_stream only nvcc: alone, none of them installs the default one first.
+if [ "$PARTS" != ab_wgmma ] && [ "$PARTS" != ab_bench ] && [ "$PARTS" != formats ] && [ "$PARTS" != tma_stream ]; then
   MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install.log" 2>&1
   echo "install rc=$?" | tee -a "$OUT/summary.txt"
 fi
@@ -185,6 +186,10 @@ elif [ "$PART" = routing_cost ]; then  # what the routing launch costs the decod
   step routing_cost 300 python3 benchmarks/routing_cost.py --out "$OUT/routing_cost.json" \
     ${ROUTING_POINTS:+--points "$ROUTING_POINTS"}
   grep "routing on the path" "$LOG/routing_cost.log" >> "$OUT/summary.txt"
+elif [ "$PART" = tma_stream ]; then  # no launcher, no CuTe-DSL: nvcc and the driver only
+  step tma_stream 120 bash -c "nvcc -O2 -std=c++17 -arch=sm_90a -o '$LOG/tma_box_stream' benchmarks/tma_box_stream.cu \
+    && '$LOG/tma_box_stream'"
+  cp "$LOG/tma_stream.log" "$OUT/tma_box_stream.txt"
 elif [ "$PART" = ab_tactics ]; then  # AB_TACTICS: tactics ("default": the heuristic's), profiled at $AB_POINTS
   profile_tactics prefill_tactic_ ""
 elif [ "$PART" = sweep ]; then  # issue 4's sweep, w4a16 fused, all three impls (carry .offline/triton_kernels_v3.6)

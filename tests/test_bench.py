@@ -495,10 +495,21 @@ def test_replay_energy_of_real_replays_is_positive():
     if counter.read() is None:
         pytest.skip("NVML's energy counter is not readable here")
     a = torch.randn(2048, 2048, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def body(a):
         for _ in range(8):
             a = a @ a.T * 1e-3
+        return a
+
+    # cuBLAS makes its handle and workspace on first use, which a capture cannot hold: warm up on a side stream
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body(a)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body(a)
     record = bench.replay_energy([graph], forward_us=1_000.0, seconds=0.3, counter=counter)
     assert record["energy_mj"] > 0 and record["energy_replays"] == 300
     assert 20 < record["energy_avg_w"] < 1_500  # an H200 under load draws 100-700 W
