@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="instead of the sweep: host time of an eager wrapper.run at T=1 and the kernel nodes "
                              "of a captured forward, per shape, mode and finalize")
     parser.add_argument("--host-iters", type=int, default=100,
-                        help="eager calls timed for --host-overhead (kept small so the launch queue never fills)")
+                        help="eager calls in each of the 7 timed batches of --host-overhead (kept small so the launch "
+                             "queue never fills)")
     return parser
 
 
@@ -833,18 +834,22 @@ def run_shape(run: Run, shape: Shape) -> None:
 # Host overhead
 # ----------------------------------------------------------------------------------------------------------------
 
-def host_time_us(forward: Callable[[], object], calls: int, warmup: int = 10) -> float:
-    """Mean host microseconds per eager call, no synchronisation inside the loop: what the CPU spends launching.
-    `calls` must stay small (~100) so the GPU's launch queue never fills and blocks the host."""
+def host_time_us(forward: Callable[[], object], calls: int, warmup: int = 10, batches: int = 7) -> float:
+    """Host microseconds per eager call, no synchronisation inside a batch: what the CPU spends launching. The
+    median of `batches` batch means, so one descheduled batch on a shared host does not decide the number (single
+    batches of the same build read 22-35 µs). `calls` must stay small (~100) so the GPU's launch queue never fills
+    and blocks the host; the queue drains between batches."""
     for _ in range(warmup):
         forward()
+    means = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            forward()
+        means.append((time.perf_counter() - start) / calls * 1e6)
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        forward()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    return statistics.median(means)
 
 
 def _cudart():
@@ -900,7 +905,8 @@ def measure_host_overhead(run: Run, point: Point) -> dict:
         method = "cudaGraphGetNodes"
     except Exception:  # noqa: BLE001  (no cuda-python or no raw graph access: count one eager forward instead)
         kernels, nodes, method = profiled_kernels(lambda: eager.run(**inputs)), None, "torch.profiler"
-    return dict(point.identity(), host_us=round(host_us, 2), host_calls=run.args.host_iters, kernel_nodes=kernels,
+    return dict(point.identity(), host_us=round(host_us, 2), host_calls=run.args.host_iters,
+                host_statistic="median of 7 batch means", kernel_nodes=kernels,
                 graph_nodes=nodes, kernel_count_method=method, **run.meta)
 
 

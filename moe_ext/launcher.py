@@ -175,9 +175,8 @@ INT32_MAX = 2 ** 31 - 1
 
 def _weight_view(t: torch.Tensor) -> torch.Tensor:
     """The flat weight as the kernels take it. Their tensor extents are int32, so a weight of more than 2^31
-    bytes is handed over as its first 2^31 - 1 bytes: the kernels never read the extent (the streaming GEMMs' TMA
-    descriptor takes its extents from the expert count and the shape, stream.weight_tma; the wgmma GEMMs address
-    each weight row with a 64-bit offset from the base pointer)."""
+    bytes is handed over as its first 2^31 - 1 bytes: the kernels never read the extent (the GEMMs' TMA
+    descriptors take their extents from the expert count and the shape, stream.expert_weight_view)."""
     return t if t.numel() <= INT32_MAX else t[:INT32_MAX]
 
 

@@ -335,6 +335,20 @@ def test_cli_defaults_and_selection():
     assert bench.parse_args(["--host-overhead"]).out == bench.DEFAULT_HOST_OUT
 
 
+def test_host_time_is_the_median_batch_so_one_stalled_batch_does_not_decide(monkeypatch):
+    clock = {"t": 0.0, "calls": 0}
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda: None)
+
+    def forward():  # 20 µs a call, but every call of the third timed batch stalls 1 ms
+        clock["calls"] += 1
+        stalled = 10 + 2 * 100 < clock["calls"] <= 10 + 3 * 100
+        clock["t"] += 1e-3 if stalled else 20e-6
+
+    assert bench.host_time_us(forward, 100) == pytest.approx(20.0)
+    assert clock["calls"] == 10 + 7 * 100  # warm-up, then 7 batches
+
+
 @pytest.mark.parametrize("bad", [["--shapes", "llama"], ["--modes", "w8a8"], ["--tokens", "0"],
                                  ["--tokens", "a,b"], ["--impls", "cublas"], ["--finalize", "atomic"],
                                  ["--iters", "0"], ["--tactic", "fastest"]])

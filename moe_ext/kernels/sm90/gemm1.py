@@ -22,7 +22,8 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, GridConstant, Int32, Int64
+from cutlass.experimental.cuda import TensorMap
 
 from . import activations, ptx, quantize
 from . import stream as streaming
@@ -67,7 +68,7 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
 
     @cute.kernel
     def gemm1_kernel(x_bf16: cute.Tensor, per_token_scale: cute.Tensor,
-                     w1_sf: cute.Tensor, w1_tma_atom: cute.CopyAtom, w1_tma: cute.Tensor, w1_alpha: cute.Tensor,
+                     w1_sf: cute.Tensor, w1_map: GridConstant[TensorMap], w1_alpha: cute.Tensor,
                      permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor,
                      tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
                      out_bf16: cute.Tensor, fc2_input_scale: cute.Tensor,
@@ -90,7 +91,7 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
                 kk = cute.math.min(kk, hidden - 8)
                 return streaming.token_group(x_bf16, Int64(token) * Int64(hidden) + Int64(kk)), valid
 
-            streaming.accumulate(sm, tid, w1_sf, w1_tma_atom, w1_tma, expert, n_tile * cfg.rows, n1, hidden, rank,
+            streaming.accumulate(sm, tid, w1_sf, w1_map, expert, n_tile * cfg.rows, n1, hidden, rank,
                                  k_split, limit - row0, tokens, cfg, b_block, load_group)
             s_c = sm.out
 
@@ -115,8 +116,8 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
                out_bf16: cute.Tensor, fc2_input_scale: cute.Tensor,
                hidden: Int32, n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32, p1: Float32,
                p2: Float32, p3: Float32, k_split: Int32, pdl: cutlass.Boolean, stream: cuda.CUstream):
-        w1_tma_atom, w1_tma = streaming.weight_tma(w1, cute.size(w1_alpha), n1, hidden, cfg)
-        gemm1_kernel(x_bf16, per_token_scale, w1_sf, w1_tma_atom, w1_tma, w1_alpha,
+        w1_map = streaming.weight_map(w1, cute.size(w1_alpha), n1, hidden, cfg)
+        gemm1_kernel(x_bf16, per_token_scale, w1_sf, w1_map, w1_alpha,
                      permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out_bf16,
                      fc2_input_scale, hidden, n1, inter, col_offset, top_k, p0, p1, p2, p3, k_split).launch(
             grid=(cute.size(tile_to_expert), n1 // cfg.rows, k_split), block=(cfg.threads, 1, 1),

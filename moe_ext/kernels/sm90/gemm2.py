@@ -18,7 +18,8 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass import BFloat16, Float32, GridConstant, Int32, Int64
+from cutlass.experimental.cuda import TensorMap
 
 from . import ptx
 from . import stream as streaming
@@ -50,7 +51,7 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
 
     @cute.kernel
     def gemm2_kernel(a_bf16: cute.Tensor, row_scale: cute.Tensor,
-                     w2_sf: cute.Tensor, w2_tma_atom: cute.CopyAtom, w2_tma: cute.Tensor, w2_alpha: cute.Tensor,
+                     w2_sf: cute.Tensor, w2_map: GridConstant[TensorMap], w2_alpha: cute.Tensor,
                      token_final_scales: cute.Tensor,
                      permuted_to_expanded: cute.Tensor, tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor,
                      num_live_tiles: cute.Tensor, out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32,
@@ -71,7 +72,7 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
                 kk = cute.math.min(kk, inter - 8)
                 return streaming.token_group(a_bf16, Int64(row) * Int64(inter) + Int64(kk)), valid
 
-            streaming.accumulate(sm, tid, w2_sf, w2_tma_atom, w2_tma, expert, n_tile * cfg.rows, hidden, inter, rank,
+            streaming.accumulate(sm, tid, w2_sf, w2_map, expert, n_tile * cfg.rows, hidden, inter, rank,
                                  k_split, limit - row0, tokens, cfg, b_block, load_group)
             s_c = sm.out
 
@@ -100,8 +101,8 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
                num_live_tiles: cute.Tensor, out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32,
                col_offset: Int32, top_k: Int32, fused: cutlass.Boolean, k_split: Int32, pdl: cutlass.Boolean,
                stream: cuda.CUstream):
-        w2_tma_atom, w2_tma = streaming.weight_tma(w2, cute.size(w2_alpha), hidden, inter, cfg)
-        gemm2_kernel(a_bf16, row_scale, w2_sf, w2_tma_atom, w2_tma, w2_alpha, token_final_scales,
+        w2_map = streaming.weight_map(w2, cute.size(w2_alpha), hidden, inter, cfg)
+        gemm2_kernel(a_bf16, row_scale, w2_sf, w2_map, w2_alpha, token_final_scales,
                      permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out, hidden, inter,
                      out_pitch, col_offset, top_k, fused, k_split).launch(
             grid=(cute.size(tile_to_expert), hidden // cfg.rows, k_split), block=(cfg.threads, 1, 1),

@@ -38,6 +38,21 @@ def cp_async_bulk(dst: Int32, src: Int64, nbytes: Int32, bar: Int32, *, loc=None
 
 
 @dsl_user_op
+def tma_load_3d(dst: Int32, tensor_map: Int64, c0, c1, c2, bar: Int32, *, loc=None, ip=None) -> None:
+    """One TMA box of the 3-d `tensor_map` (the generic address of a grid-constant descriptor) at coordinates
+    (c0, c1, c2), innermost first, into shared `dst`; the bytes are counted on mbarrier `bar` as they land."""
+    _asm(0, [Int32(dst), Int64(tensor_map), Int32(c0), Int32(c1), Int32(c2), Int32(bar)],
+         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [$0], [$1, {$2, $3, $4}], "
+         "[$5];", "r,l,r,r,r,r,~{memory}", side_effects=True)
+
+
+@dsl_user_op
+def prefetch_tensormap(tensor_map: Int64, *, loc=None, ip=None) -> None:
+    """Bring a TMA descriptor (generic address) into the descriptor cache ahead of its first copy."""
+    _asm(0, [Int64(tensor_map)], "prefetch.tensormap [$0];", "l,~{memory}", side_effects=True)
+
+
+@dsl_user_op
 def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
     """Order this thread's generic-proxy shared accesses before later async-proxy ones (bulk and TMA copies)."""
     _asm(0, [], "fence.proxy.async.shared::cta;", "~{memory}", side_effects=True)

@@ -41,7 +41,7 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import cpasync
+from cutlass.experimental.cuda import TensorMapL2Promotion, create_tensor_map_tiled_from_view
 
 from . import ptx
 from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
@@ -173,7 +173,6 @@ class Smem(NamedTuple):
     scale_lut: Int32  # 256 x bf16x2: scale byte -> (scale * 2^63, scale * 2^63)
     tokens: Int32  # the token tile
     out: cute.Tensor  # fp32 [tokens, rows] accumulator tile, over the token tile (used after the mainloop)
-    ring: cute.Tensor  # the weight slots as the TMA copies' destination, (1, rows, 64 bytes, slot)
     full: cute.Pointer  # one mbarrier per stage, complete when the stage's bytes have landed
     empty: cute.Pointer  # one mbarrier per stage, complete when every warp is done reading it
 
@@ -185,11 +184,9 @@ def allocate(tokens: int, c: StreamConfig) -> Smem:
         for i, n in enumerate(shared_pieces(tokens, c)))
     out = cute.make_tensor(cute.recast_ptr(tile.iterator, dtype=Float32),
                            cute.make_layout((tokens, c.rows), stride=(c.rows + 4, 1)))
-    ring = cute.make_tensor(ring_w.iterator, cute.make_layout((1, c.rows, 64, c.stages * c.k_slices),
-                                                              stride=(0, 64, 1, c.rows * 64)))
     full = cute.recast_ptr(bars.iterator, dtype=Int64)
     return Smem(c.threads, row_pitch(tokens, c), ring_w.iterator.toint(), ring_s.iterator.toint(),
-                lut.iterator.toint(), tile.iterator.toint(), out, ring, full, full + c.stages)
+                lut.iterator.toint(), tile.iterator.toint(), out, full, full + c.stages)
 
 
 def fill_scale_lut(sm: Smem, tid, block: int) -> None:
@@ -312,22 +309,25 @@ def sf_step_bytes(block: int) -> int:
     return 512 * StreamConfig.k_step // block // 4
 
 
-def weight_tma(w: cute.Tensor, experts, rows_per_expert, k_extent, c: StreamConfig):
-    """weight_box_tma with boxes of c.rows rows x 64 bytes (one 128-K step)."""
-    return weight_box_tma(w, experts, rows_per_expert, k_extent, c.rows, 64)
-
-
-def weight_box_tma(w: cute.Tensor, experts, rows_per_expert, k_extent, rows: int, box_bytes: int):
-    """(TMA atom, coordinate tensor) loading boxes of (1 expert, `rows` rows, `box_bytes` bytes) of the 4-bit
-    weight `w` (flat bytes, [experts, rows_per_expert, k_extent / 2]) into a slot with `box_bytes` between rows.
-    Call in the launch function: the exported host code packs the descriptor from these runtime extents at each
-    launch. The expert stride is 64-bit (DeepSeek-V3's W1 is 3.8e9 bytes); the launcher checks the 16-byte
-    alignment the descriptor needs."""
+def expert_weight_view(w: cute.Tensor, experts, rows_per_expert, k_extent) -> cute.Tensor:
+    """The 4-bit weight `w` (flat bytes) as [experts, rows_per_expert, k_extent / 2] bytes, for a TMA descriptor
+    built in the launch function (the exported host code encodes it from these runtime extents at each launch).
+    The expert stride is 64-bit (DeepSeek-V3's W1 is 3.8e9 bytes); the launcher checks the 16-byte alignment the
+    descriptor needs."""
     k_bytes = k_extent // 2
-    view = cute.make_tensor(w.iterator, cute.make_layout(
+    return cute.make_tensor(w.iterator, cute.make_layout(
         (experts, rows_per_expert, k_bytes), stride=(Int64(rows_per_expert) * Int64(k_bytes), k_bytes, 1)))
-    box = cute.make_layout((1, rows, box_bytes), stride=(rows * box_bytes, box_bytes, 1))
-    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, box, (1, rows, box_bytes))
+
+
+def weight_map(w: cute.Tensor, experts, rows_per_expert, k_extent, c: StreamConfig):
+    """A TMA descriptor (cutlass.experimental.cuda.TensorMap) for boxes of (1 expert, c.rows rows, 64 bytes: one
+    128-K step) of expert_weight_view; coordinates (byte, row, expert). It asks for 128-byte L2 promotion, which
+    cute's TMA atom has no parameter for: a stream of 64-byte-wide boxes ran 2.9-3.3 TB/s on the H200 without it and
+    4.37-4.45 with it (benchmarks/results/h200_session28_tma_box_stream.txt); whole decode forwards gained
+    1.01-1.06x (h200_session29_checks.md). The wgmma GEMMs keep cute's atom: there it cost 1-4% at T >= 1024."""
+    return create_tensor_map_tiled_from_view(expert_weight_view(w, experts, rows_per_expert, k_extent),
+                                             (1, c.rows, 64), stride_order=(2, 1, 0),
+                                             l2_promotion=TensorMapL2Promotion.l2_128b)
 
 
 def tile_address(sm: Smem, row, chunk) -> Int32:
@@ -401,11 +401,11 @@ def chunk_tasks(tokens: int, c: StreamConfig, live: int) -> int:
 
 
 @cute.jit
-def accumulate(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, rank, k_split,
+def accumulate(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_extent, rank, k_split,
                live_rows, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
                load_group: cutlass.Constexpr):
     """The mainloop of one CTA over weight rows [first_row, first_row + cfg.rows) of `expert` in a 4-bit weight
-    (scales `w_sf`; `tma_atom` and `tma_w` from weight_tma): leaves its accumulator
+    (scales `w_sf`; `w_map` from weight_map): leaves its accumulator
     tile (summed over K slices, and on cluster rank 0 over the cluster's ranks) in sm.out. `load_group(r, k,
     k_end)` returns the 8 tile-order bf16x2 registers of token row r at K = k and whether they are valid (the
     kernel's gather and decode of its activations).
@@ -421,7 +421,7 @@ def accumulate(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exper
     k_end = (first + steps) * cfg.k_step
     part = tid // (cfg.threads // cfg.k_slices)
 
-    loop_args = (sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
+    loop_args = (sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
                  part, acc, tokens, cfg, block, load_group)
 
     narrowest_mainloop(loop_args, live_rows, mainloop_widths(tokens, cfg))
@@ -490,13 +490,14 @@ def stage_tokens(sm, tid, first, k_run, k_end, tokens: cutlass.Constexpr, cfg: c
 
 
 class TmaSource(NamedTuple):
-    """Where a CTA's TMA stages come from: the weight boxes (partitioned coordinate tensor, one 128-K step per
-    index) and the global address of its scale tiles at K = 0 (128 rows of the 128x4 layout are one tile row, so
-    each step's scales are sf_step_bytes contiguous bytes, and consecutive steps are consecutive)."""
+    """Where a CTA's TMA stages come from: the weight boxes (rows [first_row, first_row + rows) of `expert` through
+    the descriptor at `w_map`, one 128-K step a box) and the global address of its scale tiles at K = 0 (128 rows of
+    the 128x4 layout are one tile row, so each step's scales are sf_step_bytes contiguous bytes, and consecutive
+    steps are consecutive)."""
 
-    atom: object
-    boxes: cute.Tensor  # (box, step) global side of the copy
-    slots: cute.Tensor  # (box, slot) shared side
+    w_map: Int64  # the descriptor's generic address
+    expert: Int32
+    first_row: Int32
     scales: Int64
 
 
@@ -505,8 +506,7 @@ def issue_tma_stage(sm: Smem, lane, src: TmaSource, first, stage, steps, block: 
                     c: cutlass.Constexpr):
     """One warp starts the copies of stage `stage` (steps [stage * k_slices, ...) of the run starting at step
     `first`, as many as the run still has) into slot stage % stages: lane 0 announces their bytes on the slot's
-    full barrier and copies the scale tiles; the box copies elect one lane themselves (elect.sync), so the whole
-    warp must call them."""
+    full barrier and copies the scale tiles and the weight boxes."""
     slot = stage % c.stages
     bar = sm.full + slot
     n = cute.math.min(c.k_slices, steps - stage * c.k_slices)
@@ -515,14 +515,14 @@ def issue_tma_stage(sm: Smem, lane, src: TmaSource, first, stage, steps, block: 
         cute.arch.mbarrier_arrive_and_expect_tx(bar, n * (c.rows * 64 + sf_step_bytes(block)))
         ptx.cp_async_bulk(sm.scales + slot * (c.k_slices * 1024), src.scales + Int64(step) * sf_step_bytes(block),
                           n * sf_step_bytes(block), bar.toint())
-    cute.arch.sync_warp()
-    for u in cutlass.range_constexpr(c.k_slices):
-        if u < n:
-            cute.copy(src.atom, src.boxes[None, step + u], src.slots[None, slot * c.k_slices + u], tma_bar_ptr=bar)
+        for u in cutlass.range_constexpr(c.k_slices):
+            if u < n:
+                ptx.tma_load_3d(sm.weights + (slot * c.k_slices + u) * (c.rows * 64), src.w_map,
+                                (step + u) * 64, src.first_row, src.expert, bar.toint())
 
 
 @cute.jit
-def tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
+def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
                  part, acc: cute.Tensor, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
                  load_group: cutlass.Constexpr, live: cutlass.Constexpr):
     """Stages of k_slices 128-K steps (K slice `part` reads step `part` of each) arrive by TMA: one box per step
@@ -530,14 +530,11 @@ def tma_mainloop(sm, tid, w_sf, tma_atom, tma_w, expert, first_row, rows_per_exp
     warp releases a stage it has read on the stage's empty barrier, and warp 0 refills the slot at its next stage
     (refill_tma_stage)."""
     chunk = k_chunk(tokens, cfg)
-    boxes = cute.local_tile(tma_w, (1, cfg.rows, 64), (expert, first_row // cfg.rows, None))
-    slots, boxes = cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sm.ring, 0, 3),
-                                         cute.group_modes(boxes, 0, 3))
-    src = TmaSource(tma_atom, boxes, slots, w_sf.iterator.toint() + Int64(
+    src = TmaSource(w_map.get_ptr().toint(), expert, first_row, w_sf.iterator.toint() + Int64(
         swizzled_sf_offset(expert, first_row, 0, rows_per_expert, k_extent // block)))
     num_stages = (steps + cfg.k_slices - 1) // cfg.k_slices
     if tid == 0:
-        cpasync.prefetch_descriptor(tma_atom)
+        ptx.prefetch_tensormap(src.w_map)
         for s in cutlass.range_constexpr(cfg.stages):
             cute.arch.mbarrier_init(sm.full + s, 1)
             cute.arch.mbarrier_init(sm.empty + s, cfg.warps * cfg.k_slices)

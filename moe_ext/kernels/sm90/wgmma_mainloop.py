@@ -52,7 +52,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from . import ptx
 from .fp4 import swizzled_sf_offset
-from .stream import TWO_P63, scale_table_entry, weight_box_tma
+from .stream import TWO_P63, expert_weight_view, scale_table_entry
 
 WARPGROUP = 128
 # The decode multiplies each e2m1 pair once, by a table entry bf16x2(scale * 2^63) (stream.scale_table_entry), so
@@ -373,8 +373,11 @@ class RawRing:
 
 def raw_weight_tma(cfg: WgmmaConfig, w: cute.Tensor, experts, rows_per_expert, k_extent):
     """The launch function's TMA atom and coordinate tensor for the raw weight boxes: one stage of a CTA's weight
-    rows, (1 expert, bn rows, bk / 2 bytes)."""
-    return weight_box_tma(w, experts, rows_per_expert, k_extent, cfg.bn, cfg.bk // 2)
+    rows, (1 expert, bn rows, bk / 2 bytes), into a slot with bk / 2 bytes between rows."""
+    box = (1, cfg.bn, cfg.bk // 2)
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(),
+                                       expert_weight_view(w, experts, rows_per_expert, k_extent),
+                                       cute.make_layout(box, stride=(cfg.bn * cfg.bk // 2, cfg.bk // 2, 1)), box)
 
 
 def token_box_tma(cfg: WgmmaConfig, a: cute.Tensor, k_extent, tok_layout):
