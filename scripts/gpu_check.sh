@@ -18,6 +18,7 @@
 #   prefill:   per-kernel profile of the default tactic at T=4096 on five shapes (the wgmma GEMMs)
 #   prefill_ncu: ncu sections of the wgmma GEMMs at $PREFILL_POINTS (default mixtral-8x7b:4096)
 #   ncu_source: ncu --set full of the first $NCU_KERNEL launch at each of $NCU_POINTS: details and per-SASS stalls
+#              ($NCU_PROFILE_ARGS go to profile_kernels.py, e.g. "--min-local-pairs 1" for EP8 at T=1)
 #   routing_cost: graph replays with and without the routing launch at small T ($ROUTING_POINTS), into $OUT
 #   tma_stream: benchmarks/tma_box_stream.cu, the TMA copy path alone (box widths, bytes in flight, L2 promotion)
 #   tile_choice: per-kernel times of the default tactic vs (128, wgmma, wgmma) where experts get 16-64 rows; T=16384
@@ -208,7 +209,7 @@ elif [ "$PART" = ncu_source ]; then  # full ncu set + per-SASS stall samples of 
     rep="$LOG/ncu_${pt//:/_}"
     step "ncu_${pt//:/_}" 240 ncu --clock-control none --profile-from-start off -k "regex:${NCU_KERNEL:-gemm1}" \
       --launch-count 1 --set full --import-source no -f -o "$rep" python3 benchmarks/profile_kernels.py \
-      --points "$pt" --ncu
+      --points "$pt" --ncu ${NCU_PROFILE_ARGS:-}
     ncu -i "$rep.ncu-rep" --page details > "$rep.details.txt" 2>&1
     ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.sass.csv" 2>&1
     python3 benchmarks/ncu_stalls.py "$rep.sass.csv" --opcodes --regions > "$rep.stalls.txt" 2>&1

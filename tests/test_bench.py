@@ -551,6 +551,25 @@ def test_kernel_profile_takes_each_kernels_median_forward():
     assert totals == [10.0, 10.0, 55.0]
 
 
+def test_kernel_profile_can_pick_an_input_set_that_reaches_the_local_experts():
+    """--min-local-pairs: the first input set (by index) whose routing sends enough pairs to this rank's experts;
+    0 keeps the benchmark's own first set, and an impossible count is a ValueError, not a silent empty profile."""
+    profile_kernels = load_benchmark("profile_kernels")
+    shape = bench.SHAPES["deepseek-v3-ep8"]  # experts [0, 32) of 256, top 8
+
+    def local_pairs(routing):
+        return int(((routing.ids >= shape.local_offset) & (routing.ids < shape.local_offset + shape.num_local)).sum())
+
+    routing, index, local = profile_kernels.routing_with_local_pairs(shape, 1, 0, "cpu")
+    assert index == 0 and routing.seed == bench.point_seed(0, shape, 1, 0)
+    routing, index, local = profile_kernels.routing_with_local_pairs(shape, 1, 2, "cpu")
+    assert local == local_pairs(routing) >= 2 and routing.seed == bench.point_seed(0, shape, 1, index)
+    assert all(local_pairs(bench.random_routing(1, shape, bench.point_seed(0, shape, 1, i), "cpu")) < 2
+               for i in range(index))
+    with pytest.raises(ValueError, match="min_local_pairs"):
+        profile_kernels.routing_with_local_pairs(shape, 1, 9, "cpu", tries=5)  # T=1 routes 8 pairs at most
+
+
 def test_ncu_stall_summary_groups_by_opcode_and_by_execution_count(tmp_path, capsys):
     """benchmarks/ncu_stalls.py on a per-SASS export (gzipped here): opcodes lose their predicate and modifiers,
     and code that runs equally often (per K step, per token chunk) is summed as one region."""
