@@ -18,7 +18,7 @@ import torch
 
 import moe_ext
 from moe_ext.bench import (SHAPES, Point, gpu_state, moe_ext_inputs, point_seed, random_moe_ext_weights,
-                           random_routing, supported_dims)
+                           random_routing, routing_stats, supported_dims)
 
 
 def per_forward_medians(events: list, reps: int) -> tuple[dict, list]:
@@ -43,8 +43,7 @@ def routing_with_local_pairs(shape, num_tokens: int, min_pairs: int, device, tri
     expert) pairs to this rank's experts [local_offset, local_offset + num_local)."""
     for index in range(tries):
         routing = random_routing(num_tokens, shape, point_seed(0, shape, num_tokens, index), device)
-        ids = routing.ids
-        local = int(((ids >= shape.local_offset) & (ids < shape.local_offset + shape.num_local)).sum())
+        local = int(routing_stats([routing.ids], shape.num_local, shape.local_offset).local_pairs)
         if local >= min_pairs:
             return routing, index, local
     raise ValueError(f"min_local_pairs: no input set of the first {tries} sends {min_pairs} pairs to {shape.name}'s "
