@@ -66,6 +66,7 @@ FINALIZE = {"fused": True, "deterministic": False}
 TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 DEFAULT_OUT = "benchmarks/results/h200.json"
 DEFAULT_HOST_OUT = "benchmarks/results/h200_host_overhead.json"
+HOST_BATCHES = 7  # timed batches of --host-overhead; the record's host_us is their median
 
 ACTIVATIONS = {
     "swiglu": Activation.resolve(ActivationType.Swiglu),
@@ -188,8 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="instead of the sweep: host time of an eager wrapper.run at T=1 and the kernel nodes "
                              "of a captured forward, per shape, mode and finalize")
     parser.add_argument("--host-iters", type=int, default=100,
-                        help="eager calls in each of the 7 timed batches of --host-overhead (kept small so the launch "
-                             "queue never fills)")
+                        help=f"eager calls in each of the {HOST_BATCHES} timed batches of --host-overhead (kept small "
+                             "so the launch queue never fills)")
     return parser
 
 
@@ -834,7 +835,7 @@ def run_shape(run: Run, shape: Shape) -> None:
 # Host overhead
 # ----------------------------------------------------------------------------------------------------------------
 
-def host_time_us(forward: Callable[[], object], calls: int, warmup: int = 10, batches: int = 7) -> float:
+def host_time_us(forward: Callable[[], object], calls: int, warmup: int = 10, batches: int = HOST_BATCHES) -> float:
     """Host microseconds per eager call, no synchronisation inside a batch: what the CPU spends launching. The
     median of `batches` batch means, so one descheduled batch on a shared host does not decide the number (single
     batches of the same build read 22-35 µs). `calls` must stay small (~100) so the GPU's launch queue never fills
@@ -906,7 +907,7 @@ def measure_host_overhead(run: Run, point: Point) -> dict:
     except Exception:  # noqa: BLE001  (no cuda-python or no raw graph access: count one eager forward instead)
         kernels, nodes, method = profiled_kernels(lambda: eager.run(**inputs)), None, "torch.profiler"
     return dict(point.identity(), host_us=round(host_us, 2), host_calls=run.args.host_iters,
-                host_statistic="median of 7 batch means", kernel_nodes=kernels,
+                host_statistic=f"median of {HOST_BATCHES} batch means", kernel_nodes=kernels,
                 graph_nodes=nodes, kernel_count_method=method, **run.meta)
 
 

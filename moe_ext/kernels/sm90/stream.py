@@ -324,7 +324,7 @@ def weight_map(w: cute.Tensor, experts, rows_per_expert, k_extent, c: StreamConf
     128-K step) of expert_weight_view; coordinates (byte, row, expert). It asks for 128-byte L2 promotion, which
     cute's TMA atom has no parameter for: a stream of 64-byte-wide boxes ran 2.9-3.3 TB/s on the H200 without it and
     4.37-4.45 with it (benchmarks/results/h200_session28_tma_box_stream.txt); whole decode forwards gained
-    1.01-1.06x (h200_session29_checks.md). The wgmma GEMMs keep cute's atom: there it cost 1-4% at T >= 1024."""
+    1.01-1.06x (h200_session29_checks.md). The wgmma GEMMs keep cute's atom: there it cost 1-5% at T >= 1024."""
     return create_tensor_map_tiled_from_view(expert_weight_view(w, experts, rows_per_expert, k_extent),
                                              (1, c.rows, 64), stride_order=(2, 1, 0),
                                              l2_promotion=TensorMapL2Promotion.l2_128b)
