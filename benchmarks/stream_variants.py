@@ -64,17 +64,15 @@ VARIANTS = {
 
 
 # Probes: leave-one-out versions of the mainloop (their outputs are wrong by design; they bound where time goes).
-def _probe_consume_loads_only(sm, tid, slot, scales, tile_offset, acc, tokens, block, c, live):
+def _probe_consume_loads_only(sm, place, slot, scales, tile_offset, acc, tokens, block, c, live):
     """Read the thread's fragments of the slot and fold them into one accumulator: the loads stay live, no decode,
     no MMA."""
     from cutlass import Float32, Int32
 
     from moe_ext.kernels.sm90 import ptx
-    lane = tid % 32
-    r = ((tid // 32) % c.warps) * 16 + lane // 4
-    rows = sm.weights + slot * (c.rows * 64) + (lane % 4) * 16
-    w0 = ptx.ld_shared_v4(rows + r * 64)
-    w1 = ptx.ld_shared_v4(rows + (r + 8) * 64)
+    rows = place.weights + slot * (c.rows * 64)
+    w0 = ptx.ld_shared_v4(rows)
+    w1 = ptx.ld_shared_v4(rows + 8 * 64)
     acc[0] = acc[0] + Float32(w0[0] ^ w0[1] ^ w0[2] ^ w0[3] ^ w1[0] ^ w1[1] ^ w1[2] ^ Int32(w1[3]))
 
 

@@ -150,6 +150,20 @@ def prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def pinned(a: Int32, *, loc=None, ip=None) -> Int32:
+    """`a` through a side-effecting move: the compiler can neither fold it into its uses nor recompute it inside a
+    loop, so a value made once before a loop stays one value."""
+    return Int32(_asm(1, [Int32(a)], "mov.b32 $0, $1;", "=r,r", side_effects=True))
+
+
+@dsl_user_op
+def byte_of(a: Int32, index: Int32, *, loc=None, ip=None) -> Int32:
+    """Byte `index` (0-3, a runtime value) of `a` in the low byte, zeros above: one prmt whose selector picks it
+    and three bytes of a zero register."""
+    return Int32(_asm(1, [Int32(a), Int32(0x4440) + Int32(index)], "prmt.b32 $0, $1, 0, $2;", "=r,r,r"))
+
+
+@dsl_user_op
 def division_magic(divisor: Int32, *, loc=None, ip=None) -> Int32:
     """ceil(2^32 / divisor) as a u32 for divide_by_magic, divisor >= 1 (it wraps to 0 for divisor 1)."""
     return Int32(_asm(1, [Int32(divisor)], "{ .reg .u32 t; div.u32 t, 0xFFFFFFFF, $1; add.u32 $0, t, 1; }",

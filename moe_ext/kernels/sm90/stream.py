@@ -156,8 +156,11 @@ TWO_P63 = 9.223372036854775808e18
 
 
 def k_chunk(tokens: int, c: StreamConfig) -> int:
-    """K values of the token tile staged at a time."""
-    return min(4096, c.token_elems // tokens)
+    """K values of the token tile staged at a time: a power of two, so the mainloop finds a step's place in it
+    with one AND."""
+    chunk = min(4096, c.token_elems // tokens)
+    assert chunk & (chunk - 1) == 0, "token_elems / tokens must be a power of two"
+    return chunk
 
 
 def row_pitch(tokens: int, c: StreamConfig) -> int:
@@ -206,54 +209,70 @@ def scale_table_entry(code, block: int) -> Int32:
     return ptx.pack_bf16x2(value, value)
 
 
-def _scale_pairs(sm: Smem, group: Int32, tid, block: int) -> list:
-    """bf16x2 (scale * 2^63) for each of the 4 words a thread holds of one row (NVFP4: two blocks of 16, MXFP4:
-    one block of 32), looked up from the scale bytes of its 4-byte group."""
-    if block == 16:
-        shift = ((2 * (tid % 4)) % 4) * 8
-        lo = ptx.ld_shared_b32(sm.scale_lut + ((group >> shift) & 0xFF) * 4)
-        hi = ptx.ld_shared_b32(sm.scale_lut + ((group >> (shift + 8)) & 0xFF) * 4)
-        return [lo, lo, hi, hi]
-    s2 = ptx.ld_shared_b32(sm.scale_lut + ((group >> ((tid % 4) * 8)) & 0xFF) * 4)
-    return [s2, s2, s2, s2]
+class StepPlace(NamedTuple):
+    """A thread's fixed shared-memory offsets in every 128-K step (step_place), made once a mainloop and pinned
+    (ptx.pinned): computed inside the step, they were recomputed from tid at every step, ~15-25 SASS of a
+    ~240-instruction step in the 80-register three-CTA forms (docs/experiments/stream_step_place_sass.txt)."""
+
+    weights: Int32  # its 16 bytes of weight row r in slot 0: sm.weights + r * 64 + t * 16 (row r + 8: + 512)
+    group: Int32  # its 4 scale bytes of row r in a step's scale tiles (row r + 8: group8)
+    group8: Int32
+    scale_byte: Int32  # the first of those bytes this thread looks up (_scale_pairs)
+    tokens: Int32  # its token row's first chunk of the thread's quad: sm.tokens + (lane // 4) * pitch + t * 64
+    swap: Int32  # the tile's 16-byte chunk swizzle of the quad position t (see tile_address): (t >> 1) << 1
 
 
-def consume_tma_step(sm: Smem, tid, slot, scales, tile_offset, acc: cute.Tensor, tokens: int, block: int,
-                     c: StreamConfig, live: int):
-    """acc += this thread's share of the 128-K step in weight slot `slot` (128 rows x 64 bytes, rows dense) with
-    its scale tiles at shared address `scales`; its tokens start at byte `tile_offset` of the token tile rows (the
-    step's position inside the staged K-chunk); the MMAs cover its first `live` tokens. At the
-    64-byte row pitch a quarter-warp's eight 16-byte loads (rows r and r + 1, chunks t = 0..3) cover 128
-    consecutive bytes: no bank conflict."""
+def step_place(sm: Smem, tid, c: StreamConfig, block: int) -> StepPlace:
+    """StepPlace of thread `tid`. At the 64-byte weight row pitch a quarter-warp's eight 16-byte loads (rows r and
+    r + 1, chunks t = 0..3) cover 128 consecutive bytes: no bank conflict."""
     lane = tid % 32
     r = ((tid // 32) % c.warps) * 16 + lane // 4
     t = lane % 4
-    rows = sm.weights + slot * (c.rows * 64) + t * 16
-    tiles = scales + (t // 2 if block == 16 else 0) * 512
+    tiles = (t // 2 if block == 16 else 0) * 512
 
     def group(row):
-        return ptx.ld_shared_b32(tiles + (row % 32) * 16 + (row // 32) * 4)
+        return tiles + (row % 32) * 16 + (row // 32) * 4
 
-    operands = (ptx.ld_shared_v4(rows + r * 64), ptx.ld_shared_v4(rows + (r + 8) * 64),
-                _scale_pairs(sm, group(r), tid, block), _scale_pairs(sm, group(r + 8), tid, block), tile_offset, acc)
+    return StepPlace(*(ptx.pinned(v) for v in (
+        sm.weights + r * 64 + t * 16, group(r), group(r + 8), (2 * t) % 4 if block == 16 else t,
+        sm.tokens + (lane // 4) * sm.pitch + t * 64, (t >> 1) << 1)))
+
+
+def _scale_pairs(sm: Smem, group: Int32, first_byte, block: int) -> list:
+    """bf16x2 (scale * 2^63) for each of the 4 words a thread holds of one row (NVFP4: two blocks of 16, bytes
+    first_byte and first_byte + 1 of its 4-byte group; MXFP4: one block of 32, byte first_byte)."""
+    if block == 16:
+        lo = ptx.ld_shared_b32(sm.scale_lut + ptx.byte_of(group, first_byte) * 4)
+        hi = ptx.ld_shared_b32(sm.scale_lut + ptx.byte_of(group, first_byte + 1) * 4)
+        return [lo, lo, hi, hi]
+    s2 = ptx.ld_shared_b32(sm.scale_lut + ptx.byte_of(group, first_byte) * 4)
+    return [s2, s2, s2, s2]
+
+
+def consume_tma_step(sm: Smem, place: StepPlace, slot, scales, tile_offset, acc: cute.Tensor, tokens: int,
+                     block: int, c: StreamConfig, live: int):
+    """acc += this thread's share of the 128-K step in weight slot `slot` (128 rows x 64 bytes, rows dense) with
+    its scale tiles at shared address `scales`; its tokens start at byte `tile_offset` of the token tile rows (the
+    step's position inside the staged K-chunk); the MMAs cover its first `live` tokens."""
+    rows = place.weights + slot * (c.rows * 64)
+    operands = (ptx.ld_shared_v4(rows), ptx.ld_shared_v4(rows + 8 * 64),
+                _scale_pairs(sm, ptx.ld_shared_b32(scales + place.group), place.scale_byte, block),
+                _scale_pairs(sm, ptx.ld_shared_b32(scales + place.group8), place.scale_byte, block), tile_offset, acc)
     if c.mma == "sync":
-        multiply_step(sm, tid, *operands, tokens, c, live)
+        multiply_step(sm, place, *operands, tokens, c, live)
     else:
-        multiply_step_wgmma(sm, tid, *operands, tokens, c)
+        multiply_step_wgmma(sm, *operands, tokens, c)
 
 
-def multiply_step(sm: Smem, tid, w0: list, w1: list, s0: list, s1: list, tile_offset, acc: cute.Tensor,
-                  tokens: int, c: StreamConfig, live: int):
+def multiply_step(sm: Smem, place: StepPlace, w0: list, w1: list, s0: list, s1: list, tile_offset,
+                  acc: cute.Tensor, tokens: int, c: StreamConfig, live: int):
     """Decode this thread's 16 bytes of rows r and r + 8 (with their bf16x2 scales) and multiply them into acc
     with the first `live` tokens of the tile."""
-    lane = tid % 32
-    t = lane % 4
-    swap = (t >> 1) << 1  # the tile's 16-byte chunk swizzle (see tile_address)
-    row_base = sm.tokens + (lane // 4) * sm.pitch + tile_offset
+    row_base = place.tokens + tile_offset
     for j in range(4):
         a0 = ptx.e2m1x8_to_bf16x2(w0[j], s0[j])
         a1 = ptx.e2m1x8_to_bf16x2(w1[j], s1[j])
-        chunk = t * 4 + (Int32(j) ^ swap)
+        chunk = Int32(j) ^ place.swap
         for nt in range(live // 8):
             b = ptx.ld_shared_v4(row_base + nt * 8 * sm.pitch + chunk * 16)
             for h in range(2):
@@ -265,7 +284,7 @@ def multiply_step(sm: Smem, tid, w0: list, w1: list, s0: list, s1: list, tile_of
                     acc[base + i] = d[i]
 
 
-def multiply_step_wgmma(sm: Smem, tid, w0: list, w1: list, s0: list, s1: list, tile_offset, acc: cute.Tensor,
+def multiply_step_wgmma(sm: Smem, w0: list, w1: list, s0: list, s1: list, tile_offset, acc: cute.Tensor,
                         tokens: int, c: StreamConfig):
     """multiply_step as one warpgroup wgmma per k16 for all the tokens. A warp's mma.sync A fragment is exactly its
     16-row slice of the warpgroup's m64 A operand, and the accumulator order per 8 tokens is the same, so the decode
@@ -533,6 +552,7 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
     src = TmaSource(w_map.get_ptr().toint(), expert, first_row, w_sf.iterator.toint() + Int64(
         swizzled_sf_offset(expert, first_row, 0, rows_per_expert, k_extent // block)))
     num_stages = (steps + cfg.k_slices - 1) // cfg.k_slices
+    place = step_place(sm, tid, cfg, block)
     if tid == 0:
         ptx.prefetch_tensormap(src.w_map)
         for s in cutlass.range_constexpr(cfg.stages):
@@ -556,14 +576,14 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
                 for u in cutlass.range_constexpr(per_group):
                     refill_tma_stage(sm, tid, src, first, (g - 1) * per_group + u, num_stages, steps, block, cfg)
             k_run = g * per_group * cfg.k_slices * cfg.k_step
-            if k_run % chunk == 0:
+            if k_run & (chunk - 1) == 0:
                 stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group, live)
             for u in cutlass.range_constexpr(per_group):
                 i = g * per_group + u
                 cute.arch.mbarrier_wait(sm.full + i % cfg.stages, (i // cfg.stages) % 2)
             for u in cutlass.range_constexpr(per_group):
-                consume_tma_stage(sm, tid, g * per_group + u, (k_run + u * cfg.k_slices * cfg.k_step) % chunk, part,
-                                  steps, acc, tokens, block, cfg, live, wait=False, check=False)
+                consume_tma_stage(sm, place, g * per_group + u, (k_run + u * cfg.k_slices * cfg.k_step) & (chunk - 1),
+                                  part, steps, acc, tokens, block, cfg, live, wait=False, check=False)
             for u in cutlass.range_constexpr(per_group):
                 release_tma_stage(sm, tid, g * per_group + u, cfg)
         first_single = groups * per_group
@@ -574,29 +594,30 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
         if tid < 32 and i > 0:  # warp 0 refills the previous stage's slot once every warp has read it
             refill_tma_stage(sm, tid, src, first, i - 1, num_stages, steps, block, cfg)
         k_run = i * cfg.k_slices * cfg.k_step
-        if k_run % chunk == 0:
+        in_chunk = k_run & (chunk - 1)  # k_run >= 0 and chunk a power of two: one AND, not a signed remainder
+        if in_chunk == 0:
             stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group, live)
-        consume_tma_stage(sm, tid, i, k_run % chunk, part, steps, acc, tokens, block, cfg, live)
+        consume_tma_stage(sm, place, i, in_chunk, part, steps, acc, tokens, block, cfg, live)
         release_tma_stage(sm, tid, i, cfg)
 
 
 @cute.jit
-def consume_tma_stage(sm: Smem, tid, stage, chunk_offset, part, steps, acc: cute.Tensor, tokens: cutlass.Constexpr,
-                      block: cutlass.Constexpr, c: cutlass.Constexpr, live: cutlass.Constexpr,
-                      wait: cutlass.Constexpr = True, check: cutlass.Constexpr = True):
+def consume_tma_stage(sm: Smem, place: StepPlace, stage, chunk_offset, part, steps, acc: cute.Tensor,
+                      tokens: cutlass.Constexpr, block: cutlass.Constexpr, c: cutlass.Constexpr,
+                      live: cutlass.Constexpr, wait: cutlass.Constexpr = True, check: cutlass.Constexpr = True):
     """Wait for stage `stage` (unless the caller did) and consume this K slice's step of it, if the run has that
     step (`check`: only a run's last stage can lack one); `chunk_offset`: the stage's K offset inside the staged
     token chunk; the MMAs cover the first `live` tokens."""
     slot = stage % c.stages
     if cutlass.const_expr(wait):
-        cute.arch.mbarrier_wait(sm.full + slot, (stage // c.stages) % 2)
+        cute.arch.mbarrier_wait(sm.full + slot, (stage // c.stages) & 1)
     if cutlass.const_expr(check):
         if stage * c.k_slices + part < steps:
-            consume_tma_step(sm, tid, slot * c.k_slices + part,
+            consume_tma_step(sm, place, slot * c.k_slices + part,
                              sm.scales + slot * (c.k_slices * 1024) + part * sf_step_bytes(block),
                              (chunk_offset + part * c.k_step) * 2, acc, tokens, block, c, live)
     else:
-        consume_tma_step(sm, tid, slot * c.k_slices + part,
+        consume_tma_step(sm, place, slot * c.k_slices + part,
                          sm.scales + slot * (c.k_slices * 1024) + part * sf_step_bytes(block),
                          (chunk_offset + part * c.k_step) * 2, acc, tokens, block, c, live)
 
