@@ -11,7 +11,8 @@
 #              (wgmma-heavy kernel tests) each directory of $AB_DIRS, then reinstall $MOE_EXT_KERNEL_DIR (unless alone)
 #   ab_bench:  whole forwards (graph replays, w4a16, fused) of each directory of $AB_DIRS at $AB_SHAPES x $AB_TOKENS
 #              with $AB_BENCH_TACTIC (default: the heuristic's, untuned), in interleaved rounds ($AB_ROUNDS), and
-#              each point's energy per forward over $AB_ENERGY_SECONDS (default 0.5 s) of replays (NVML's counter)
+#              each point's energy per forward over $AB_ENERGY_SECONDS (default 0.5 s) of replays (NVML's counter);
+#              each bench step is cut at $AB_STEP_SECONDS (default 200)
 #   ab_tactics: per-kernel profile of each tactic of $AB_TACTICS ("default" or "tile,split1,split2") at $AB_POINTS
 #   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels);
 #              $SWEEP_TOKENS and $SWEEP_SHAPES narrow it
@@ -172,7 +173,7 @@ elif [ "$PART" = ab_bench ]; then  # what per-kernel sums miss: gaps between ker
     for d in ${AB_DIRS:-.kernels}; do
       MOE_EXT_KERNEL_DIR=$PWD/$d MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_${d#.}.log" 2>&1
       name="ab_bench_${d#.}_$round"
-      step "$name" 200 python3 -m moe_ext.bench --shapes "${AB_SHAPES:-qwen3-30b-a3b,deepseek-v3-ep8}" \
+      step "$name" "${AB_STEP_SECONDS:-200}" python3 -m moe_ext.bench --shapes "${AB_SHAPES:-qwen3-30b-a3b,deepseek-v3-ep8}" \
         --tokens "${AB_TOKENS:-1,8,64}" --modes w4a16 --finalize fused --impls moe_ext \
         --tactic "${AB_BENCH_TACTIC:-default}" --iters 50 --max-seconds-per-point 1.0 \
         --energy-seconds "${AB_ENERGY_SECONDS:-0.5}" --out "$OUT/$name.json"
