@@ -242,6 +242,16 @@ def test_wgmma_configs_fit_the_register_file_and_shared_memory(tile, sf_block):
     assert 150 * 1024 < cfg.shared_bytes <= wgmma_mainloop.MAX_SHARED_BYTES
 
 
+def test_wgmma_config_rejects_setmaxnreg_past_the_launch_allocation():
+    """setmaxnreg only moves registers inside what the CTA got at launch (168 a thread of 384 at one CTA an SM):
+    40 + 2 x 236 fits the 64K register file but not that, and its consumers' increase would wait forever."""
+    from moe_ext.kernels.sm90 import wgmma_mainloop
+
+    wgmma_mainloop.WgmmaConfig(copier_regs=40, consumer_regs=232).check()
+    with pytest.raises(AssertionError, match="registers the CTA gets at launch"):
+        wgmma_mainloop.WgmmaConfig(copier_regs=40, consumer_regs=236).check()
+
+
 @pytest.mark.parametrize("live,columns,group", [(1, 1, 8), (7, 3, 8), (338, 32, 8), (68, 224, 16), (13, 16, 4),
                                                 (290, 12, 32)])
 def test_wgmma_raster_visits_every_work_item_once_a_group_at_a_time(live, columns, group):

@@ -175,7 +175,9 @@ class WgmmaConfig:
         assert self.stages >= 3, "the consumers hold up to two stages (wgmma wait_group(1))"
         assert self.sf_block in (16, 32), "NVFP4 (16) or MXFP4 (32) weights"
         regs = WARPGROUP * self.copier_regs + CONSUMERS * self.consumer_regs
-        assert regs <= 65536, "register file"
+        # setmaxnreg moves registers within the CTA's launch allocation (ptxas gives each thread the most one CTA an
+        # SM allows, in steps of 8: 168 of 384 threads): an increase past it waits forever.
+        assert regs <= self.threads * (65536 // self.threads // 8 * 8), "registers the CTA gets at launch"
         assert self.shared_bytes <= MAX_SHARED_BYTES, "shared memory: the launch would fail"
 
     @property
