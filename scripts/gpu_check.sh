@@ -13,6 +13,8 @@
 #              with $AB_BENCH_TACTIC (default: the heuristic's, untuned), in interleaved rounds ($AB_ROUNDS), and
 #              each point's energy per forward over $AB_ENERGY_SECONDS (default 0.5 s) of replays (NVML's counter);
 #              each bench step is cut at $AB_STEP_SECONDS (default 200)
+#   tactic_table: every valid tactic's cold whole forward at $TABLE_POINTS over $TABLE_DRAWS routing draws
+#              (benchmarks/tactic_table.py), and where the heuristic's tactic ranks: the data for retuning it
 #   ab_tactics: per-kernel profile of each tactic of $AB_TACTICS ("default" or "tile,split1,split2") at $AB_POINTS
 #   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels);
 #              $SWEEP_TOKENS and $SWEEP_SHAPES narrow it
@@ -184,6 +186,10 @@ elif [ "$PART" = ab_bench ]; then  # what per-kernel sums miss: gaps between ker
     done
   done
   [ "$PARTS" = ab_bench ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
+elif [ "$PART" = tactic_table ]; then
+  step tactic_table 560 python3 benchmarks/tactic_table.py --out "$OUT/tactic_table.json" \
+    --draws "${TABLE_DRAWS:-3}" ${TABLE_POINTS:+--points "$TABLE_POINTS"}
+  sed -n '/^shape /,$p' "$LOG/tactic_table.log" >> "$OUT/summary.txt"
 elif [ "$PART" = routing_cost ]; then  # what the routing launch costs the decode forwards' critical path
   step routing_cost 300 python3 benchmarks/routing_cost.py --out "$OUT/routing_cost.json" \
     ${ROUTING_POINTS:+--points "$ROUTING_POINTS"}

@@ -94,6 +94,16 @@ def has_cuda():
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def _hopper_kernels_linked() -> bool:
+    from moe_ext import launcher
+
+    return (torch.cuda.is_available() and launcher.hopper_device(torch.device("cuda"))
+            and launcher.has_kernel("moe_gemm2_w4a16_t8"))
+
+
+hopper_kernels = pytest.mark.skipif(not _hopper_kernels_linked(), reason="needs sm_90 and the kernels")
+
+
 RUN_ARGS = ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_weight", "w1_weight_sf", "w1_alpha",
             "fc2_input_scale", "w2_weight", "w2_weight_sf", "w2_alpha")
 

@@ -15,7 +15,7 @@ import moe_ext
 from moe_ext import bench, bench_peers
 from moe_ext.backends import HOPPER, REFERENCE
 from moe_ext.bench_peers import bucket_counts, grouped_mm_moe, peer_swiglu, route_buckets
-from conftest import gpu
+from conftest import gpu, hopper_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED_KEYS = {"shape", "T", "quant_mode", "finalize", "impl", "us", "tbps", "tflops", "roofline_fraction",
@@ -594,3 +594,31 @@ def test_ncu_stall_summary_groups_by_opcode_and_by_execution_count(tmp_path, cap
     shares = {tuple(line.split()) for line in out.splitlines() if line.startswith("  ") and "%" in line}
     assert ("LOP3", "54.5%", "30.0%") in shares and ("HMMA", "27.3%", "15.0%") in shares
     assert ("100", "18.2%", "55.0%") in shares and ("600", "54.5%", "30.0%") in shares
+
+
+def test_tactic_table_ranks_tactics_by_their_geometric_mean_over_draws():
+    """benchmarks/tactic_table.py's summary: a tactic's score is the geometric mean over the draws of its time over
+    that draw's best, so one draw's routing cannot decide alone; the heuristic's rank is its place in that order."""
+    table = load_benchmark("tactic_table")
+    base = dict(shape="qwen3-30b-a3b", T=1, heuristic=[8, 1, 1])
+    records = [dict(base, draw=0, us={"8,1,1": 10.0, "16,1,1": 11.0, "8,2,1": 20.0}),
+               dict(base, draw=1, us={"8,1,1": 12.0, "16,1,1": 10.0, "8,2,1": 10.0})]
+    (row,) = table.summarize(records)
+    assert row["best"] == "16,1,1" and row["best_score"] == pytest.approx(1.1 ** 0.5)
+    assert row["heuristic"] == "8,1,1" and row["heuristic_rank"] == 2
+    assert row["heuristic_score"] == pytest.approx(1.2 ** 0.5)
+    assert [t for t, _ in row["top"]] == ["16,1,1", "8,1,1", "8,2,1"]
+
+
+@pytest.mark.gpu
+@hopper_kernels
+def test_tactic_table_times_every_valid_tactic_cold():
+    """One draw of a small point: a positive time for every tactic the wrapper accepts, the heuristic's among them."""
+    table = load_benchmark("tactic_table")
+    flush = torch.empty(2 * bench.l2_bytes("cuda") // 4, dtype=torch.int32, device="cuda")
+    record = table.measure_draw(bench.SHAPES["qwen3-30b-a3b"], 8, 0, rounds=3, flush=flush)
+    hidden, inter = bench.supported_dims(bench.SHAPES["qwen3-30b-a3b"], "w4a16", "cuda")
+    wrapper = moe_ext.CuteDslMoEWrapper(128, 8, hidden, inter, device="cuda")
+    assert set(record["us"]) == {table.tactic_key(t) for t in wrapper.get_valid_tactics()}
+    assert all(0 < us < 1e4 for us in record["us"].values())
+    assert table.tactic_key(record["heuristic"]) in record["us"] and record["local_pairs"] == 64

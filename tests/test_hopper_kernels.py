@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import (ACTS, GRID_FACTORS, TOLERANCE, forward_in_fresh_buffers, gpu, grid_allowed,
+from conftest import (ACTS, GRID_FACTORS, TOLERANCE, forward_in_fresh_buffers, gpu, grid_allowed, hopper_kernels,
                       kernel_fc2_input_per_token, make_case, reference_and_gate, rel_l2, replays_with_new_inputs)
 
 import moe_ext
@@ -20,9 +20,7 @@ from moe_ext.quant.block import nvfp4_dequantize
 from moe_ext.reference import reference_moe
 
 pytestmark = [
-    pytest.mark.gpu, gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and launcher.hopper_device(torch.device("cuda"))
-                            and launcher.has_kernel("moe_gemm2_w4a16_t8")), reason="needs sm_90 and the kernels"),
+    pytest.mark.gpu, gpu, hopper_kernels,
 ]
 
 W, WW = launcher.WGMMA, launcher.WGMMA_WIDE  # the wgmma GEMMs' k_splits

@@ -1,7 +1,7 @@
 """Localized (two-shard) execution: equal to the full-width path, and it never reads the full-width weights."""
 import pytest
 import torch
-from conftest import make_case, rel_l2, replays_with_new_inputs
+from conftest import hopper_kernels, make_case, rel_l2, replays_with_new_inputs
 
 import moe_ext
 
@@ -42,14 +42,7 @@ def test_full_width_weights_are_not_read_when_shards_are_given():
 
 # ---- on the H200: the kernels run each shard on its own green-context stream -------------------------------------
 
-def _hopper_kernels():
-    from moe_ext import launcher
-
-    return (torch.cuda.is_available() and launcher.hopper_device(torch.device("cuda"))
-            and launcher.has_kernel("moe_gemm2_w4a4_pt_t8"))
-
-
-hopper = pytest.mark.skipif(not _hopper_kernels(), reason="needs sm_90 and the kernels")
+hopper = hopper_kernels
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+from conftest import hopper_kernels
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,15 +115,8 @@ def test_expert_biases_are_refused():
         swap_moe_blocks(model, "w4a16")
 
 
-def _hopper_kernels() -> bool:
-    from moe_ext import launcher
-
-    return (torch.cuda.is_available() and launcher.hopper_device(torch.device("cuda"))
-            and launcher.has_kernel("moe_gemm2_w4a16_t8"))
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _hopper_kernels(), reason="needs sm_90 and the kernels")
+@hopper_kernels
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("mode,bound", [("w4a16", 0.25), ("w4a4", 0.35), ("w4a8", 0.35)])
 def test_swapped_model_runs_on_the_hopper_kernels(family, mode, bound):

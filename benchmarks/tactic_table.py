@@ -1,0 +1,141 @@
+"""Every tactic's whole-forward time at each point, over several routing draws: the data the launcher's heuristic
+(`launcher.default_tactic`, what runs where nobody tunes) is fitted to and judged by.
+
+    python3 benchmarks/tactic_table.py --points qwen3-30b-a3b:1,mixtral-8x7b:8 --draws 3 --out table.json
+    python3 benchmarks/tactic_table.py --summarize table.json          # no GPU needed
+
+Draw d is the benchmark's input set d (`moe_ext.bench.point_seed`), one weight copy, w4a16, fused finalize. Each
+tactic's forward is captured once and replayed in rounds that visit the tactics in a rotating order; before every
+replay a write of twice the L2 evicts the weights, so each sample is a cold forward as in `moe_ext.bench` (which
+rotates weight copies instead: with one draw's routing fixed, a rotation would not move the experts it reads).
+A sample is the replay alone, between two events. The summary ranks the tactics per point by their geometric
+mean over the draws (a draw's time over that draw's best): the heuristic's place in that ranking is what a
+retune has to improve.
+"""
+import argparse
+import json
+import math
+import statistics
+
+import torch
+
+import moe_ext
+from moe_ext.bench import (FINALIZE, SHAPES, Point, l2_bytes, moe_ext_inputs, point_seed, random_moe_ext_weights,
+                           random_routing, routing_stats, supported_dims)
+
+
+def tactic_key(tactic) -> str:
+    return ",".join(map(str, tactic))
+
+
+def cold_medians_us(graphs: dict, rounds: int, flush: torch.Tensor) -> dict:
+    """Median µs of each graph's replay, every replay after an L2-evicting write, in rotating order."""
+    names = list(graphs)
+    samples = {name: [] for name in names}
+    for r in range(rounds):
+        events = []
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            flush.fill_(r)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[name].replay()
+            end.record()
+            events.append((name, start, end))
+        torch.cuda.synchronize()
+        for name, start, end in events:
+            samples[name].append(start.elapsed_time(end) * 1e3)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def measure_draw(shape, num_tokens: int, draw: int, rounds: int, flush: torch.Tensor) -> dict:
+    """One routing draw of a point: every valid tactic's cold forward, and the heuristic's choice."""
+    hidden, inter = supported_dims(shape, "w4a16", "cuda")
+    point = Point(shape, num_tokens, "moe_ext", "w4a16", "fused", hidden, inter)
+    device = torch.device("cuda")
+    routing = random_routing(num_tokens, shape, point_seed(0, shape, num_tokens, draw), device)
+    stats = routing_stats([routing.ids], shape.num_local, shape.local_offset)
+    args = dict(moe_ext_inputs(routing, hidden, "w4a16", device),
+                **random_moe_ext_weights(point, device, torch.Generator(device=device).manual_seed(routing.seed)))
+    wrapper = moe_ext.CuteDslMoEWrapper(
+        shape.num_experts, shape.top_k, hidden, inter, use_cuda_graph=True, max_num_tokens=num_tokens,
+        num_local_experts=shape.num_local, local_expert_offset=shape.local_offset, device=device,
+        use_fused_finalize=FINALIZE["fused"], **shape.wrapper_kwargs())
+    with moe_ext.autotune(False):
+        wrapper.run(**args)  # no tactic, not tuning: the heuristic's
+    heuristic = tuple(wrapper.last_tactic)
+    graphs = {}
+    pool = torch.cuda.graph_pool_handle()
+    for tactic in wrapper.get_valid_tactics():
+        wrapper.run(**args, tactic=tactic)  # warm-up outside the capture (plans, first-launch costs)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            wrapper.run(**args, tactic=tactic)
+        graphs[tactic_key(tactic)] = graph
+    torch.cuda.synchronize()
+    times = cold_medians_us(graphs, rounds, flush)
+    return dict(point.identity(), draw=draw, seed=routing.seed, local_pairs=stats.local_pairs,
+                experts_hit=stats.experts_hit, heuristic=list(heuristic), rounds=rounds, us=times)
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """Per (shape, T): each tactic's geometric mean over the draws of (its time / the draw's best), best first,
+    and where the heuristic's tactic stands."""
+    points = {}
+    for r in records:
+        points.setdefault((r["shape"], r["T"]), []).append(r)
+    out = []
+    for (shape, num_tokens), draws in points.items():
+        common = set.intersection(*(set(d["us"]) for d in draws))
+        score = {t: math.exp(statistics.fmean(math.log(d["us"][t] / min(d["us"].values())) for d in draws))
+                 for t in common}
+        ranked = sorted(score, key=score.get)
+        heuristics = {tactic_key(d["heuristic"]) for d in draws}
+        heuristic = heuristics.pop() if len(heuristics) == 1 else None
+        out.append(dict(shape=shape, T=num_tokens, draws=len(draws), best=ranked[0], best_score=score[ranked[0]],
+                        heuristic=heuristic, heuristic_score=score.get(heuristic),
+                        heuristic_rank=ranked.index(heuristic) + 1 if heuristic in score else None,
+                        top=[(t, round(score[t], 4)) for t in ranked[:5]]))
+    return out
+
+
+def print_summary(rows: list[dict]) -> None:
+    print(f"{'shape':18s} {'T':>5s} {'draws':>5s}  {'heuristic':12s} {'x best':>7s} {'rank':>4s}  "
+          "best (x each draw's best)")
+    for row in rows:
+        score = row["heuristic_score"]
+        print(f"{row['shape']:18s} {row['T']:5d} {row['draws']:5d}  {str(row['heuristic']):12s} "
+              f"{score if score is None else f'{score:.3f}':>7} {str(row['heuristic_rank']):>4s}  "
+              + "  ".join(f"{t} {s:.3f}" for t, s in row["top"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--points", default="deepseek-v3-ep8:1,qwen3-30b-a3b:1,mixtral-8x7b:8,qwen3-30b-a3b:64")
+    parser.add_argument("--draws", type=int, default=3, help="routing draws (input sets 0 .. draws-1) a point")
+    parser.add_argument("--rounds", type=int, default=15, help="cold replays of each tactic a draw")
+    parser.add_argument("--out", default="tactic_table.json")
+    parser.add_argument("--summarize", metavar="JSON", help="print the summary of a written table and exit")
+    args = parser.parse_args()
+    if args.summarize:
+        with open(args.summarize) as f:
+            print_summary(summarize(json.load(f)))
+        return
+    flush = torch.empty(2 * l2_bytes("cuda") // 4, dtype=torch.int32, device="cuda")
+    records = []
+    for spec in args.points.split(","):
+        name, num_tokens = spec.split(":")
+        for draw in range(args.draws):
+            record = measure_draw(SHAPES[name], int(num_tokens), draw, args.rounds, flush)
+            records.append(record)
+            best = min(record["us"], key=record["us"].get)
+            print(f"{name} T={num_tokens} draw {draw} ({record['local_pairs']:g} local pairs): heuristic "
+                  f"{tactic_key(record['heuristic'])} {record['us'][tactic_key(record['heuristic'])]:.1f} µs, best "
+                  f"{best} {record['us'][best]:.1f} µs, {len(record['us'])} tactics", flush=True)
+            with open(args.out, "w") as f:  # every finished draw on disk, in case the call is cut short
+                json.dump(records, f, indent=1)
+            torch.cuda.empty_cache()
+    print_summary(summarize(records))
+
+
+if __name__ == "__main__":
+    main()
