@@ -47,11 +47,12 @@ def cold_medians_us(graphs: dict, rounds: int, flush: torch.Tensor) -> dict:
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def measure_draw(shape, num_tokens: int, draw: int, rounds: int, flush: torch.Tensor) -> dict:
-    """One routing draw of a point: every valid tactic's cold forward, and the heuristic's choice."""
-    hidden, inter = supported_dims(shape, "w4a16", "cuda")
+def tactic_forwards(shape, num_tokens: int, draw: int, dims: tuple[int, int], device) -> tuple[dict, dict]:
+    """One routing draw of a point (w4a16, fused finalize, (H, I) = dims): its record's fields (the heuristic's
+    tactic among them) and a forward for every tactic the wrapper accepts, each run once (warm-up: plans, first
+    launches)."""
+    hidden, inter = dims
     point = Point(shape, num_tokens, "moe_ext", "w4a16", "fused", hidden, inter)
-    device = torch.device("cuda")
     routing = random_routing(num_tokens, shape, point_seed(0, shape, num_tokens, draw), device)
     stats = routing_stats([routing.ids], shape.num_local, shape.local_offset)
     args = dict(moe_ext_inputs(routing, hidden, "w4a16", device),
@@ -59,22 +60,31 @@ def measure_draw(shape, num_tokens: int, draw: int, rounds: int, flush: torch.Te
     wrapper = moe_ext.CuteDslMoEWrapper(
         shape.num_experts, shape.top_k, hidden, inter, use_cuda_graph=True, max_num_tokens=num_tokens,
         num_local_experts=shape.num_local, local_expert_offset=shape.local_offset, device=device,
-        use_fused_finalize=FINALIZE["fused"], **shape.wrapper_kwargs())
+        use_fused_finalize=FINALIZE["fused"], quant_mode="w4a16", **shape.wrapper_kwargs())
     with moe_ext.autotune(False):
         wrapper.run(**args)  # no tactic, not tuning: the heuristic's
-    heuristic = tuple(wrapper.last_tactic)
+    heuristic = list(wrapper.last_tactic)
+    forwards = {}
+    for tactic in wrapper.get_valid_tactics():
+        forwards[tactic_key(tactic)] = lambda tactic=tactic: wrapper.run(**args, tactic=tactic)
+        forwards[tactic_key(tactic)]()
+    fields = dict(point.identity(), draw=draw, seed=routing.seed, local_pairs=stats.local_pairs,
+                  experts_hit=stats.experts_hit, heuristic=heuristic)
+    return fields, forwards
+
+
+def measure_draw(shape, num_tokens: int, draw: int, rounds: int, flush: torch.Tensor) -> dict:
+    """One routing draw of a point: every valid tactic's cold forward (median µs), and the heuristic's choice."""
+    dims = supported_dims(shape, "w4a16", "cuda")
+    fields, forwards = tactic_forwards(shape, num_tokens, draw, dims, torch.device("cuda"))
     graphs = {}
     pool = torch.cuda.graph_pool_handle()
-    for tactic in wrapper.get_valid_tactics():
-        wrapper.run(**args, tactic=tactic)  # warm-up outside the capture (plans, first-launch costs)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            wrapper.run(**args, tactic=tactic)
-        graphs[tactic_key(tactic)] = graph
+    for key, forward in forwards.items():
+        graphs[key] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[key], pool=pool):
+            forward()
     torch.cuda.synchronize()
-    times = cold_medians_us(graphs, rounds, flush)
-    return dict(point.identity(), draw=draw, seed=routing.seed, local_pairs=stats.local_pairs,
-                experts_hit=stats.experts_hit, heuristic=list(heuristic), rounds=rounds, us=times)
+    return dict(fields, rounds=rounds, us=cold_medians_us(graphs, rounds, flush))
 
 
 def summarize(records: list[dict]) -> list[dict]:

@@ -610,15 +610,31 @@ def test_tactic_table_ranks_tactics_by_their_geometric_mean_over_draws():
     assert [t for t, _ in row["top"]] == ["16,1,1", "8,1,1", "8,2,1"]
 
 
+def test_tactic_table_draws_the_benchmarks_routing_and_runs_every_valid_tactic():
+    """Draw d of a point is the benchmark's input set d; every tactic the wrapper accepts gets a forward (run once),
+    the heuristic's among them (on the CPU: the reference path's tiles)."""
+    table = load_benchmark("tactic_table")
+    shape = bench.Shape("tiny", 256, 128, 8, 2, 8)
+    fields, forwards = table.tactic_forwards(shape, 5, 1, (256, 128), torch.device("cpu"))
+    routing = bench.random_routing(5, shape, bench.point_seed(0, shape, 5, 1), "cpu")
+    assert fields["seed"] == routing.seed and fields["local_pairs"] == 10 and fields["quant_mode"] == "w4a16"
+    wrapper = moe_ext.CuteDslMoEWrapper(8, 2, 256, 128, device="cpu", quant_mode="w4a16")
+    assert set(forwards) == {table.tactic_key(t) for t in wrapper.get_valid_tactics()}
+    assert table.tactic_key(fields["heuristic"]) in forwards
+    out = forwards[table.tactic_key(fields["heuristic"])]()
+    assert out.shape == (5, 256) and torch.isfinite(out).all()
+
+
 @pytest.mark.gpu
 @hopper_kernels
 def test_tactic_table_times_every_valid_tactic_cold():
-    """One draw of a small point: a positive time for every tactic the wrapper accepts, the heuristic's among them."""
+    """One draw of a small point on the kernels: a positive time for every tactic the wrapper accepts."""
     table = load_benchmark("tactic_table")
     flush = torch.empty(2 * bench.l2_bytes("cuda") // 4, dtype=torch.int32, device="cuda")
-    record = table.measure_draw(bench.SHAPES["qwen3-30b-a3b"], 8, 0, rounds=3, flush=flush)
-    hidden, inter = bench.supported_dims(bench.SHAPES["qwen3-30b-a3b"], "w4a16", "cuda")
-    wrapper = moe_ext.CuteDslMoEWrapper(128, 8, hidden, inter, device="cuda")
+    shape = bench.SHAPES["qwen3-30b-a3b"]
+    record = table.measure_draw(shape, 8, 0, rounds=3, flush=flush)
+    hidden, inter = bench.supported_dims(shape, "w4a16", "cuda")
+    wrapper = moe_ext.CuteDslMoEWrapper(128, 8, hidden, inter, device="cuda", quant_mode="w4a16")
     assert set(record["us"]) == {table.tactic_key(t) for t in wrapper.get_valid_tactics()}
     assert all(0 < us < 1e4 for us in record["us"].values())
     assert table.tactic_key(record["heuristic"]) in record["us"] and record["local_pairs"] == 64
