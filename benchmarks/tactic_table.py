@@ -120,7 +120,8 @@ def print_summary(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--points", default="deepseek-v3-ep8:1,qwen3-30b-a3b:1,mixtral-8x7b:8,qwen3-30b-a3b:64")
+    parser.add_argument("--points", default=",".join(f"{s}:{t}" for s in SHAPES for t in (1, 8, 64, 256)),
+                        help="shape:T,... (default: the issue-4 decode points, every shape at T = 1, 8, 64, 256)")
     parser.add_argument("--draws", type=int, default=3, help="routing draws (input sets 0 .. draws-1) a point")
     parser.add_argument("--rounds", type=int, default=15, help="cold replays of each tactic a draw")
     parser.add_argument("--out", default="tactic_table.json")
