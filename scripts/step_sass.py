@@ -1,9 +1,13 @@
-"""Steady-state SASS of one streaming-GEMM mainloop step (the last TMA mainloop in the object): the loop from its
-head to its back branch, less warp 0's refill block (BSSY .. BSYNC) and the per-chunk token staging that the step
-branches over. Reads listings written by scripts/kernel_sass.py --sass:
+"""Steady-state SASS of a streaming GEMM's mainloop, per stage: the innermost loop that waits on the most full
+barriers (one a stage; two or four where the mainloop groups or unrolls stages, StreamConfig.stages_per_wait /
+unroll_ring), less every block a forward branch jumps over without a full-barrier wait in it (warp 0's refills,
+the per-chunk token staging). The waits' retry paths count where ptxas leaves them in the loop. Reads listings
+written by scripts/kernel_sass.py --sass:
 
     python3 scripts/kernel_sass.py --sass .kernels/moe_gemm1_w4a16_swiglu_t8_3cta.o > /tmp/a.sass
     python3 scripts/step_sass.py /tmp/a.sass
+
+For a 16- to 64-token tile (a mainloop a width) the innermost loop is the narrowest width's.
 """
 import re
 import sys
@@ -13,38 +17,44 @@ BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
 LABEL = re.compile(r"^(\.L_x_\d+):")
 
 
-def step_instructions(lines: list[str]) -> list[str]:
+def barrier_offset(line: str) -> int | None:
+    """The immediate byte offset of an mbarrier operand ([R8+URZ+0x11480] -> 0x11480), None without one."""
+    last = line.split("[")[1].split("]")[0].split("+")[-1]
+    return int(last, 16) if last.startswith("0x") else None
+
+
+def mainloop(lines: list[str]) -> tuple[int, list[str]]:
+    """(stages a loop iteration, the iteration's instructions) of the hottest mainloop."""
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := LABEL.match(line))}
     code = [i for i, line in enumerate(lines) if INSTRUCTION.match(line)]
-    wait = [i for i in code if "SYNCS.PHASECHK.TRANS64.TRYWAIT" in lines[i]][-1]  # the step's full-barrier wait
+    # Releases arrive on the empty barriers, which follow the full ones: a wait below the first is a full wait.
+    empty = min(o for i in code if "ARRIVE.TRANS64.A1T0" in lines[i] and (o := barrier_offset(lines[i])) is not None)
+    full = [i for i in code if "SYNCS.PHASECHK.TRANS64.TRYWAIT" in lines[i]
+            and (o := barrier_offset(lines[i])) is not None and o < empty]
 
     def target(i):
         m = BRANCH.search(lines[i])
         return labels[m.group(1)] if m else None
 
-    # the back branch: the first branch after the wait to a label before it that is not the wait's retry loop
-    back = next(i for i in code if i > wait and target(i) is not None and target(i) < wait
-                and "TRYWAIT" not in lines[target(i) + 1])
-    head = target(back)
+    # Back branches are predicated; the unconditional ones return from out-of-line retry paths into a loop.
+    loops = [(sum(head < w < i for w in full), head, i) for i in code
+             if "@" in lines[i] and (head := target(i)) is not None and head < i
+             and "TRYWAIT" not in lines[head + 1]]
+    most = max(n for n, _, _ in loops)
+    stages, head, back = min((loop for loop in loops if loop[0] == most), key=lambda loop: loop[2] - loop[1])
     body = [i for i in code if head < i <= back]
     skip = set()
-    bssy = [i for i in body if "BSSY" in lines[i]]
-    bsync = [i for i in body if "BSYNC" in lines[i]]
-    after_refill = bsync[0] if bssy and bsync else head
-    if bssy and bsync:
-        skip |= {i for i in body if bssy[0] < i < bsync[0]}
-    for i in body:  # forward branches between the refill and the wait jump over the token staging
+    for i in body:
         t = target(i)
-        if i < wait and t is not None and i < t < wait and t > after_refill:
+        if t is not None and i < t <= back and not any(i < w < t for w in full):
             skip |= {j for j in body if i < j < t}
-    return [lines[i] for i in body if i not in skip]
+    return stages, [lines[i] for i in body if i not in skip]
 
 
 def main() -> None:
     for path in sys.argv[1:]:
-        step = step_instructions(list(open(path)))
-        retry = sum(1 for line in step if "NANOSLEEP" in line or "SYNCS.PHASECHK.TRANS64 P0" in line) + 1
-        print(f"{path}: {len(step)} instructions a step (the wait's retry loop {retry} of them)")
+        stages, loop = mainloop(list(open(path)))
+        print(f"{path}: {len(loop) / stages:.1f} instructions a stage ({len(loop)} in a loop of {stages})")
 
 
 if __name__ == "__main__":

@@ -394,3 +394,31 @@ def test_e2m1_pair_decode_bits_are_the_values_times_2_pow_minus_126(nibble):
     halves = torch.stack([bits & 0xFFFF, bits >> 16], 1).to(torch.int32).to(torch.int16).view(torch.bfloat16)
     expected = torch.stack([e2m1_decode(low), e2m1_decode(high)], 1)
     assert torch.equal(halves.float() * 2.0 ** 126, expected)
+
+
+def test_step_sass_counts_a_stage_of_the_hottest_mainloop():
+    """scripts/step_sass.py on a made-up listing: of the two loops, the one that waits on two full barriers (below
+    the empty barriers that releases arrive on) is the mainloop; the refill block a forward branch skips is left
+    out, the decode between the waits counted, and the count is per stage."""
+    spec = importlib.util.spec_from_file_location(
+        "step_sass", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "step_sass.py"))
+    step_sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_sass)
+    body = ["MOV R1, R2 ;", "@P0 BRA `(.L_x_2) ;", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R8+URZ+0x114a0], R7 ;",
+            "UBLKCP ;", ".L_x_2:", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR16+0x11480], R5 ;", "LOP3.LUT R1 ;",
+            "IMAD R2 ;", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR16+0x11488], R5 ;", "HMMA.16816.F32.BF16 R4 ;",
+            "@!P1 SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR16+0x114a0], RZ ;", "@P0 BRA `(.L_x_1) ;"]
+    other = ["SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R9+URZ+0x11480], R5 ;", "HMMA.16816.F32.BF16 R4 ;",
+             "@P2 BRA `(.L_x_3) ;"]
+    lines, address = [], 0
+    for label, block in ((".L_x_1:", body), (".L_x_3:", other)):
+        lines.append(label + "\n")
+        for text in block:
+            if text.startswith(".L_x"):
+                lines.append(text + "\n")
+                continue
+            lines.append(f"        /*{address:04x}*/                   {text}\n")
+            address += 16
+    stages, loop = step_sass.mainloop(lines)
+    assert stages == 2 and len(loop) == 9  # 11 instructions less the skipped refill wait and copy
+    assert not any("UBLKCP" in line or "0x114a0], R7" in line for line in loop)
