@@ -1,7 +1,7 @@
 """Every tactic's whole-forward time at each point, over several routing draws: the data the launcher's heuristic
 (`launcher.default_tactic`, what runs where nobody tunes) is fitted to and judged by.
 
-    python3 benchmarks/tactic_table.py --points qwen3-30b-a3b:1,mixtral-8x7b:8 --draws 3 --out table.json
+    python3 benchmarks/tactic_table.py --points qwen3-30b-a3b:1,mixtral-8x7b:8 --draws 5 --out table.json
     python3 benchmarks/tactic_table.py --summarize table.json          # no GPU needed
 
 Draw d is the benchmark's input set d (`moe_ext.bench.point_seed`), one weight copy, w4a16, fused finalize. Each
@@ -122,7 +122,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--points", default=",".join(f"{s}:{t}" for s in SHAPES for t in (1, 8, 64, 256)),
                         help="shape:T,... (default: the issue-4 decode points, every shape at T = 1, 8, 64, 256)")
-    parser.add_argument("--draws", type=int, default=3, help="routing draws (input sets 0 .. draws-1) a point")
+    parser.add_argument("--draws", type=int, default=5, help="routing draws (input sets 0 .. draws-1) a point")
     parser.add_argument("--rounds", type=int, default=15, help="cold replays of each tactic a draw")
     parser.add_argument("--out", default="tactic_table.json")
     parser.add_argument("--summarize", metavar="JSON", help="print the summary of a written table and exit")

@@ -188,7 +188,7 @@ elif [ "$PART" = ab_bench ]; then  # what per-kernel sums miss: gaps between ker
   [ "$PARTS" = ab_bench ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
 elif [ "$PART" = tactic_table ]; then
   step tactic_table 560 python3 benchmarks/tactic_table.py --out "$OUT/tactic_table.json" \
-    --draws "${TABLE_DRAWS:-3}" ${TABLE_POINTS:+--points "$TABLE_POINTS"}
+    --draws "${TABLE_DRAWS:-5}" ${TABLE_POINTS:+--points "$TABLE_POINTS"}
   sed -n '/^shape /,$p' "$LOG/tactic_table.log" >> "$OUT/summary.txt"
 elif [ "$PART" = routing_cost ]; then  # what the routing launch costs the decode forwards' critical path
   step routing_cost 300 python3 benchmarks/routing_cost.py --out "$OUT/routing_cost.json" \
