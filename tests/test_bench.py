@@ -632,8 +632,8 @@ def test_tactic_table_times_every_valid_tactic_cold():
     table = load_benchmark("tactic_table")
     flush = torch.empty(2 * bench.l2_bytes("cuda") // 4, dtype=torch.int32, device="cuda")
     shape = bench.SHAPES["qwen3-30b-a3b"]
-    record = table.measure_draw(shape, 8, 0, rounds=3, flush=flush)
     hidden, inter = bench.supported_dims(shape, "w4a16", "cuda")
+    record = table.measure_draw(shape, 8, 0, (hidden, inter), rounds=3, flush=flush)
     wrapper = moe_ext.CuteDslMoEWrapper(128, 8, hidden, inter, device="cuda", quant_mode="w4a16")
     assert set(record["us"]) == {table.tactic_key(t) for t in wrapper.get_valid_tactics()}
     assert all(0 < us < 1e4 for us in record["us"].values())

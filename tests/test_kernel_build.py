@@ -270,13 +270,19 @@ def test_wgmma_raster_visits_every_work_item_once_a_group_at_a_time(live, column
         w += size * columns
 
 
+def load_script(name: str):
+    """A scripts/ file as a module (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def kernel_sass():
     """scripts/kernel_sass.py as a module, with an nvdisasm to run."""
-    spec = importlib.util.spec_from_file_location(
-        "kernel_sass", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "kernel_sass.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("kernel_sass")
     try:
         module.nvdisasm()
     except SystemExit:
@@ -400,10 +406,7 @@ def test_step_sass_counts_a_stage_of_the_hottest_mainloop():
     """scripts/step_sass.py on a made-up listing: of the two loops, the one that waits on two full barriers (below
     the empty barriers that releases arrive on) is the mainloop; the refill block a forward branch skips is left
     out, the decode between the waits counted, and the count is per stage."""
-    spec = importlib.util.spec_from_file_location(
-        "step_sass", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "step_sass.py"))
-    step_sass = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(step_sass)
+    step_sass = load_script("step_sass")
     body = ["MOV R1, R2 ;", "@P0 BRA `(.L_x_2) ;", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R8+URZ+0x114a0], R7 ;",
             "UBLKCP ;", ".L_x_2:", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR16+0x11480], R5 ;", "LOP3.LUT R1 ;",
             "IMAD R2 ;", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR16+0x11488], R5 ;", "HMMA.16816.F32.BF16 R4 ;",

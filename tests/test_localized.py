@@ -42,9 +42,6 @@ def test_full_width_weights_are_not_read_when_shards_are_given():
 
 # ---- on the H200: the kernels run each shard on its own green-context stream -------------------------------------
 
-hopper = hopper_kernels
-
-
 @pytest.fixture(scope="module")
 def domains():
     from moe_ext.streams import LocalityDomains
@@ -52,7 +49,7 @@ def domains():
     return LocalityDomains.create("cuda")
 
 
-@hopper
+@hopper_kernels
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_pt", "w4a8"])
 @pytest.mark.parametrize("fused", [False, True])
@@ -83,7 +80,7 @@ def test_localized_kernels_on_green_contexts_match_full_width(domains, mode, fus
         assert torch.equal(local, full)
 
 
-@hopper
+@hopper_kernels
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", ["swiglu", "relu2"])
 def test_localized_wgmma_gemms_equal_full_width_bitwise(domains, act):
@@ -103,7 +100,7 @@ def test_localized_wgmma_gemms_equal_full_width_bitwise(domains, act):
     assert torch.equal(local, full)
 
 
-@hopper
+@hopper_kernels
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", [False, True])
 def test_localized_wrapper_captured_once_replays_with_new_routing(fused):
