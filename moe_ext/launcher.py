@@ -271,6 +271,11 @@ WIDE_WEIGHT_ROWS = 256
 # The "split" of a GEMM that selects its streaming kernel's three-CTAs-an-SM form, no K split (8- and 32-token
 # tiles, stream.config_for): it pays where a launch's CTAs fill three an SM, and loses where a few hundred run.
 THREE_CTAS = -2
+# GEMM1 CTAs an SM (expected, on 8-token tiles) from which the default tactic takes 16-token tiles instead: with its
+# ring unrolled the 16-token mainloop (three CTAs an SM) beat the 8-token default by 1.02-1.06x at T = 8-64 on five
+# shapes (4.5-62 CTAs an SM), while at T = 1 (0.4-3.4) the best 16-token tactic was 0.94-1.03x of it (the tactic
+# table, h200_session31_checks.md).
+SIXTEEN_OVER_EIGHT_WAVES = 4
 THREE_CTA_TILES = (8, 32)  # moe_ext/kernels/sm90/stream.py THREE_CTA_TILES
 # The GEMM2 each kernel mode runs: w4a4's FC2 input arrives decoded and its weights are NVFP4, as w4a16's.
 _GEMM2_MODE = {"w4a4": "w4a16"}
@@ -391,6 +396,7 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     (NARROW_WGMMA_MIN_ROWS), the 32-token wgmma tiles, in the widest weight tiles allowed: at 12-24 rows 1.06-1.60x
     faster kernels than the streaming default, at 8 rows (gpt-oss T=256) 0.96x (h200_session25_checks.md; slower
     than streaming before the wgmma token K order, session 23).
+    An 8-token tile whose GEMM1 would launch SIXTEEN_OVER_EIGHT_WAVES+ CTAs an SM takes 16 tokens instead.
     On a THREE_CTA_TILES tile (`three_ctas`), an unsplit GEMM whose expected CTAs fill three an SM takes THREE_CTAS:
     GEMM1 1.06-1.21x and GEMM2 1.27-1.80x there; at 256 CTAs it was 0.76-0.96x (h200_session17_checks.md).
     """
@@ -410,6 +416,9 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     # that undershoots gains), never more than the slots that can be local.
     hit = expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts)
     live = max(min(1.5 * hit, num_tokens * top_k, num_local_experts), math.ceil(local_slots / tile))
+    if tile == 8 and 16 in tiles and live * n1 / 128 >= SIXTEEN_OVER_EIGHT_WAVES * num_sms:
+        tile = 16
+        live = max(live, math.ceil(local_slots / tile))
 
     def split(rows: int) -> int:
         ctas = max(1.0, live * rows / 128)

@@ -107,7 +107,12 @@ def test_hopper_default_tactic_splits_k_only_when_few_ctas_would_run():
     assert launcher.default_tactic(4096, 2, 8, 8, 28672, 4096, tiles, 132)[0] == 128
     assert launcher.default_tactic(1024, 8, 256, 256, 4096, 7168, tiles, 132)[0] == 64
     assert launcher.default_tactic(1, 8, 256, 256, 4096, 7168, tiles, 132)[0] == 8
-    assert launcher.default_tactic(64, 8, 256, 256, 4096, 7168, tiles, 132)[0] == 8  # 2 rows per expert
+    # At 2 rows per expert room for twice them is an 8-token tile, but GEMM1's 8192 expected CTAs (62 an SM) take
+    # the 16-token mainloop (SIXTEEN_OVER_EIGHT_WAVES); EP8 at T=8 (345 CTAs) keeps 8, as Mixtral at T=1 (448).
+    assert launcher.default_tactic(64, 8, 256, 256, 4096, 7168, tiles, 132) == (16, 1, 1)
+    assert launcher.default_tactic(8, 8, 256, 32, 4096, 7168, tiles, 132)[0] == 8
+    assert launcher.default_tactic(1, 2, 8, 8, 28672, 4096, tiles, 132)[0] == 8
+    assert launcher.default_tactic(64, 8, 256, 256, 4096, 7168, tiles[:1] + tiles[2:], 132)[0] == 8  # no 16 linked
     assert launcher.default_tactic(256, 8, 256, 256, 4096, 7168, tiles, 132)[0] == 16  # 8
     assert launcher.default_tactic(256, 8, 128, 128, 1536, 2048, tiles, 132)[0] == 32  # 16
     # With the wgmma GEMMs linked, unsplit 128-token tiles run them; decode keeps the streaming kernels.
@@ -209,12 +214,16 @@ def test_three_cta_form_is_offered_on_8_and_32_token_tiles_and_taken_where_ctas_
     assert added == {(t, a, b) for t in (8, 32) for a in forms for b in forms if C in (a, b)}
     with_wgmma = set(launcher.tactics(tiles, wgmma=True, three_ctas=True)) - set(launcher.tactics(tiles, wgmma=True))
     assert with_wgmma == added
-    # DeepSeek-V3 at T=8 and 64: 64 live tiles x 32 / 56 CTAs, both GEMMs; without the kernels, no THREE_CTAS.
-    assert launcher.default_tactic(8, 8, 256, 256, 4096, 7168, tiles, 132, three_ctas=True) == (8, C, C)
-    assert launcher.default_tactic(64, 8, 256, 256, 4096, 7168, tiles, 132, True, three_ctas=True) == (8, C, C)
-    assert C not in launcher.default_tactic(64, 8, 256, 256, 4096, 7168, tiles, 132, True)
-    # Mixtral at T=8: GEMM1's 8 x 224 CTAs take it, GEMM2's 8 x 32 (below 3 x 132) do not.
-    assert launcher.default_tactic(8, 2, 8, 8, 28672, 4096, tiles, 132, three_ctas=True) == (8, C, 1)
+    # DeepSeek-V3 at T=1: GEMM2's 8 x 56 expected CTAs take it, GEMM1's 8 x 32 do not; without the kernels, none.
+    assert launcher.default_tactic(1, 8, 256, 256, 4096, 7168, tiles, 132, three_ctas=True) == (8, 1, C)
+    assert C not in launcher.default_tactic(1, 8, 256, 256, 4096, 7168, tiles, 132, True)
+    # Mixtral at T=1: GEMM1's 2 x 224 CTAs take it, GEMM2's 2 x 32 split K instead.
+    assert launcher.default_tactic(1, 2, 8, 8, 28672, 4096, tiles, 132, three_ctas=True) == (8, C, 2)
+    # Where GEMM1 would launch 4+ CTAs an SM the tile is 16 tokens (three CTAs an SM by form, no THREE_CTAS):
+    # DeepSeek-V3 at T=8 (64 live tiles x 32) and 64, Mixtral at T=8 (8 x 224).
+    assert launcher.default_tactic(8, 8, 256, 256, 4096, 7168, tiles, 132, three_ctas=True) == (16, 1, 1)
+    assert launcher.default_tactic(64, 8, 256, 256, 4096, 7168, tiles, 132, True, three_ctas=True) == (16, 1, 1)
+    assert launcher.default_tactic(8, 2, 8, 8, 28672, 4096, tiles, 132, three_ctas=True) == (16, 1, 1)
     # DeepSeek-V3 EP8 at T=1 splits K as before; at T=8 GEMM1's ~342 expected CTAs stay, GEMM2's ~600 take it.
     assert launcher.default_tactic(1, 8, 256, 32, 4096, 7168, tiles, 132, three_ctas=True) == (8, 2, 1)
     assert launcher.default_tactic(8, 8, 256, 32, 4096, 7168, tiles, 132, three_ctas=True) == (8, 1, C)

@@ -35,7 +35,7 @@ are far outside anything a real layer holds.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import cutlass
@@ -56,6 +56,10 @@ class StreamConfig:
     token_elems: int = 32768  # bf16 elements of the shared token tile (64 KB): tokens x K-chunk (at most 4096)
     ctas_per_sm: int = 1  # CTAs the launch asks to fit per SM (2 caps registers at 128 for 256 threads)
     stages_per_wait: int = 1  # stages a warp waits for before consuming them together (independent decode chains)
+    # Whole passes over the ring a mainloop iteration (stages a multiple of stages_per_wait): every slot's barrier,
+    # weight and scale addresses are constants and the phase one bit a pass (10-19% fewer instructions a stage, the
+    # mainloop's code once a group of the ring).
+    unroll_ring: bool = False
     # "sync": each warp's mma.sync m16n8k16 per 8 tokens, B fragments loaded from the padded token tile. "wgmma":
     # one warpgroup wgmma per k16 for all the tokens, the decoded weights as its register A operand and the token
     # tile in the canonical K-major layout (a benchmarks/stream_variants.py variant, not shipped: waiting for its
@@ -97,19 +101,25 @@ def config_for(tokens: int, gemm: int, three_ctas: bool = False) -> StreamConfig
     runs quarter widths (session 19): at ~16 rows an expert (Mixtral T=64) the two-CTA form issues 0.56
     instructions a scheduler and cycle from 3.7 warps, latency bound, and the third CTA's warps outweigh the
     smaller K chunks' extra restaging where the launch is large (1.03-1.05x; 0.98x at 96 CTAs; session 20,
-    h200_session20_checks.md)."""
+    h200_session20_checks.md).
+    Every form but the 32-token three-CTA one waits for two stages at a time, and those up to 64 tokens run their
+    ring unrolled (`unroll_ring`): whole forwards 0.99-1.05x (median 1.015) with the default tactics at T = 1-256 on
+    five shapes, and 16-token tiles 1.02-1.09x (median 1.046) but 0.98x on gpt-oss-120b at T=256 (session 31,
+    h200_session31_checks.md)."""
     three = StreamConfig(stages=4, ctas_per_sm=3, token_elems=16384)
+    if tokens <= 16:  # at 32 tokens the grouped mainloop spills at the form's 80 registers
+        three = replace(three, stages_per_wait=2, unroll_ring=True)
     if three_ctas:
         if tokens not in THREE_CTA_TILES:
             raise ValueError(f"three_ctas: only {THREE_CTA_TILES}-token tiles have a three-CTA form, not {tokens}")
         return three
     if tokens <= 8 and gemm == 2:
-        return StreamConfig(k_slices=2)
+        return StreamConfig(k_slices=2, stages_per_wait=2, unroll_ring=True)
     if tokens == 16:
         return three
     if tokens <= 64:
-        return StreamConfig(stages=4, ctas_per_sm=2)
-    return StreamConfig()
+        return StreamConfig(stages=4, ctas_per_sm=2, stages_per_wait=2, unroll_ring=True)
+    return StreamConfig(stages_per_wait=2)
 
 
 def shared_pieces(tokens: int, c: StreamConfig) -> tuple[int, int, int, int, int]:
@@ -571,21 +581,19 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
         per_group = cfg.stages_per_wait
         assert (chunk // (cfg.k_slices * cfg.k_step)) % per_group == 0 and cfg.stages > per_group
         groups = steps // (cfg.k_slices * per_group)
-        for g in cutlass.range(groups):
-            if tid < 32 and g > 0:
-                for u in cutlass.range_constexpr(per_group):
-                    refill_tma_stage(sm, tid, src, first, (g - 1) * per_group + u, num_stages, steps, block, cfg)
-            k_run = g * per_group * cfg.k_slices * cfg.k_step
-            if k_run & (chunk - 1) == 0:
-                stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group, live)
-            for u in cutlass.range_constexpr(per_group):
-                i = g * per_group + u
-                cute.arch.mbarrier_wait(sm.full + i % cfg.stages, (i // cfg.stages) % 2)
-            for u in cutlass.range_constexpr(per_group):
-                consume_tma_stage(sm, place, g * per_group + u, (k_run + u * cfg.k_slices * cfg.k_step) & (chunk - 1),
-                                  part, steps, acc, tokens, block, cfg, live, wait=False, check=False)
-            for u in cutlass.range_constexpr(per_group):
-                release_tma_stage(sm, tid, g * per_group + u, cfg)
+        first_group = 0  # the groups taken by the generic loop below: all, or those after the whole ring passes
+        if cutlass.const_expr(cfg.unroll_ring):
+            ring = cfg.stages // per_group  # groups a pass over the ring
+            assert ring * per_group == cfg.stages, "a pass over the ring is whole groups"
+            passes = groups // ring
+            for r in cutlass.range(passes):
+                for h in cutlass.range_constexpr(ring):
+                    group_step(sm, tid, place, src, first, r * ring + h, h * per_group, r % 2, steps, k_end,
+                               num_stages, part, acc, tokens, cfg, block, load_group, live)
+            first_group = passes * ring
+        for g in cutlass.range(first_group, groups):
+            group_step(sm, tid, place, src, first, g, None, None, steps, k_end, num_stages, part, acc, tokens, cfg,
+                       block, load_group, live)
         first_single = groups * per_group
         if tid < 32 and groups > 0:  # the last group's stages but its last (the loop below refills that one)
             for u in cutlass.range_constexpr(per_group - 1):
@@ -599,6 +607,36 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
             stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group, live)
         consume_tma_stage(sm, place, i, in_chunk, part, steps, acc, tokens, block, cfg, live)
         release_tma_stage(sm, tid, i, cfg)
+
+
+@cute.jit
+def group_step(sm: Smem, tid, place: StepPlace, src, first, g, first_slot, phase, steps, k_end, num_stages, part,
+               acc: cute.Tensor, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
+               load_group: cutlass.Constexpr, live: cutlass.Constexpr):
+    """Group `g` of stages_per_wait whole stages: warp 0 refills the previous group's slots, every wait first, then
+    the consumptions with no branch between them (the scheduler can interleave their decode chains), then the
+    releases. `first_slot` and `phase`: the group's first ring slot (a constant) and its barriers' phase where the
+    caller knows them, else None (taken from g)."""
+    per_group = cfg.stages_per_wait
+    chunk = k_chunk(tokens, cfg)
+    if tid < 32 and g > 0:
+        for u in cutlass.range_constexpr(per_group):
+            refill_tma_stage(sm, tid, src, first, (g - 1) * per_group + u, num_stages, steps, block, cfg)
+    k_run = g * per_group * cfg.k_slices * cfg.k_step
+    if k_run & (chunk - 1) == 0:
+        stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group, live)
+    known = cutlass.const_expr(first_slot is not None)
+    stages = [first_slot + u if known else g * per_group + u for u in range(per_group)]  # slots where known
+    for u in cutlass.range_constexpr(per_group):
+        if cutlass.const_expr(known):
+            cute.arch.mbarrier_wait(sm.full + stages[u], phase)
+        else:
+            cute.arch.mbarrier_wait(sm.full + stages[u] % cfg.stages, (stages[u] // cfg.stages) % 2)
+    for u in cutlass.range_constexpr(per_group):
+        consume_tma_stage(sm, place, stages[u], (k_run + u * cfg.k_slices * cfg.k_step) & (chunk - 1), part, steps,
+                          acc, tokens, block, cfg, live, wait=False, check=False)
+    for u in cutlass.range_constexpr(per_group):
+        release_tma_stage(sm, tid, stages[u], cfg)
 
 
 @cute.jit
