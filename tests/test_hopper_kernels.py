@@ -92,6 +92,27 @@ def test_kernels_large_token_count(mode):
     check_against_reference(case, fused=False)
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+def test_streaming_ring_with_odd_step_counts_and_every_k_split(mode):
+    """The streaming mainloop takes its K steps in whole passes over the ring (unrolled), then whole groups of
+    stages_per_wait, then single steps: gpt-oss's padded hidden size 2944 is 23 steps of 128 (GEMM1: 11 groups of
+    two, a single step), and an intermediate size of 384 gives GEMM2 3 steps, which a split of 4 leaves one CTA of
+    the cluster none. Every streaming tile with each K split and the three-CTA forms, against the reference."""
+    case = make_case(mode, "swiglu", num_tokens=37, top_k=4, num_experts=8, hidden=2944, inter=384, seed=11,
+                     weight_scale=0.02).to("cuda")
+    kw = case.kwargs(use_fused_finalize=False)
+    problem = build_problem(**kw)
+    expected, gate = reference_and_gate(problem, TOLERANCE[case.mode])
+    C = launcher.THREE_CTAS
+    chosen = [(t, s, s) for t in launcher.TOKEN_TILES for s in launcher.K_SPLITS]
+    chosen += [(8, C, C), (32, C, C), (8, C, 4), (8, 2, C)]
+    for tactic in chosen:
+        assert tactic in HOPPER.tactics(problem), tactic
+        out = moe_ext.cute_dsl_fused_moe(**kw, moe_output=torch.full_like(expected, float("nan")), tactic=tactic)
+        assert torch.isfinite(out).all(), tactic
+        assert rel_l2(out, expected) <= gate, (tactic, rel_l2(out, expected), gate)
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_pt", "w4a8"])
 def test_part_filled_routing_tiles_at_their_edges(mode):
     """Experts whose rows leave an expert's last routing tile holding 1, 17, 32 / 33, 64 / 65 or 128 rows (and
