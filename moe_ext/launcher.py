@@ -273,8 +273,8 @@ WIDE_WEIGHT_ROWS = 256
 THREE_CTAS = -2
 # GEMM1 CTAs an SM (expected, on 8-token tiles) from which the default tactic takes 16-token tiles instead: with its
 # ring unrolled the 16-token mainloop (three CTAs an SM) beat the 8-token default by 1.02-1.06x at T = 8-64 on five
-# shapes (4.5-62 CTAs an SM), while at T = 1 (0.4-3.4) the best 16-token tactic was 0.94-1.03x of it (the tactic
-# table, h200_session31_checks.md).
+# shapes (5.8-62 CTAs an SM: the tactic table and replay A/Bs, h200_session31_checks.md). Below (T = 1, EP8 T=8:
+# 0.4-3.4) the table was mixed, the best 16-token tactic 0.94-1.03x of the 8-token default, and replays are pending.
 SIXTEEN_OVER_EIGHT_WAVES = 4
 THREE_CTA_TILES = (8, 32)  # moe_ext/kernels/sm90/stream.py THREE_CTA_TILES
 # The GEMM2 each kernel mode runs: w4a4's FC2 input arrives decoded and its weights are NVFP4, as w4a16's.
