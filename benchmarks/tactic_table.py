@@ -6,8 +6,11 @@
 
 Draw d is the benchmark's input set d (`moe_ext.bench.point_seed`), one weight copy, w4a16, fused finalize. Each
 tactic's forward is captured once and replayed in rounds that visit the tactics in a rotating order; before every
-replay a write of twice the L2 evicts the weights, so each sample is a cold forward as in `moe_ext.bench` (which
-rotates weight copies instead: with one draw's routing fixed, a rotation would not move the experts it reads).
+replay a read of twice the L2 evicts the weights, so each sample is a cold forward as in `moe_ext.bench` (which
+rotates weight copies instead: with one draw's routing fixed, a rotation would not move the experts it reads). A
+read, not a write: a write leaves the L2 full of dirty lines whose write-back the next forward pays (session 31's
+table, flushed by writes, read 1.09-1.16x the bench's replay times at T = 1, 3.5-13 µs more; writing back up to
+the L2's 50 MB takes up to ~12 µs at the DRAM's rate).
 A sample is the replay alone, between two events. The summary ranks the tactics per point by their geometric
 mean over the draws (a draw's time over that draw's best): the heuristic's place in that ranking is what a
 retune has to improve.
@@ -28,14 +31,19 @@ def tactic_key(tactic) -> str:
     return ",".join(map(str, tactic))
 
 
+def evict_l2(flush: torch.Tensor) -> None:
+    """Read `flush` (twice the L2) whole: the lines it leaves behind are clean."""
+    flush.sum(dtype=torch.int64)
+
+
 def cold_medians_us(graphs: dict, rounds: int, flush: torch.Tensor) -> dict:
-    """Median µs of each graph's replay, every replay after an L2-evicting write, in rotating order."""
+    """Median µs of each graph's replay, every replay after an L2-evicting read, in rotating order."""
     names = list(graphs)
     samples = {name: [] for name in names}
     for r in range(rounds):
         events = []
         for name in names[r % len(names):] + names[:r % len(names)]:
-            flush.fill_(r)
+            evict_l2(flush)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             graphs[name].replay()
@@ -131,7 +139,7 @@ def main() -> None:
         with open(args.summarize) as f:
             print_summary(summarize(json.load(f)))
         return
-    flush = torch.empty(2 * l2_bytes("cuda") // 4, dtype=torch.int32, device="cuda")
+    flush = torch.zeros(2 * l2_bytes("cuda") // 4, dtype=torch.int32, device="cuda")
     records = []
     for spec in args.points.split(","):
         name, num_tokens = spec.split(":")
