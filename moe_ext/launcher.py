@@ -417,8 +417,7 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     hit = expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts)
     live = max(min(1.5 * hit, num_tokens * top_k, num_local_experts), math.ceil(local_slots / tile))
     if tile == 8 and 16 in tiles and live * n1 / 128 >= SIXTEEN_OVER_EIGHT_WAVES * num_sms:
-        tile = 16
-        live = max(live, math.ceil(local_slots / tile))
+        tile = 16  # live already counts 8-token tiles, at least as many as 16-token ones
 
     def split(rows: int) -> int:
         ctas = max(1.0, live * rows / 128)

@@ -625,7 +625,7 @@ def group_step(sm: Smem, tid, place: StepPlace, src, first, g, first_slot, phase
     k_run = g * per_group * cfg.k_slices * cfg.k_step
     if k_run & (chunk - 1) == 0:
         stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group, live)
-    known = cutlass.const_expr(first_slot is not None)
+    known = first_slot is not None
     stages = [first_slot + u if known else g * per_group + u for u in range(per_group)]  # slots where known
     for u in cutlass.range_constexpr(per_group):
         if cutlass.const_expr(known):
@@ -649,15 +649,14 @@ def consume_tma_stage(sm: Smem, place: StepPlace, stage, chunk_offset, part, ste
     slot = stage % c.stages
     if cutlass.const_expr(wait):
         cute.arch.mbarrier_wait(sm.full + slot, (stage // c.stages) & 1)
+    scales = sm.scales + slot * (c.k_slices * 1024) + part * sf_step_bytes(block)
+    step_args = (sm, place, slot * c.k_slices + part, scales, (chunk_offset + part * c.k_step) * 2, acc, tokens, block,
+                 c, live)
     if cutlass.const_expr(check):
         if stage * c.k_slices + part < steps:
-            consume_tma_step(sm, place, slot * c.k_slices + part,
-                             sm.scales + slot * (c.k_slices * 1024) + part * sf_step_bytes(block),
-                             (chunk_offset + part * c.k_step) * 2, acc, tokens, block, c, live)
+            consume_tma_step(*step_args)
     else:
-        consume_tma_step(sm, place, slot * c.k_slices + part,
-                         sm.scales + slot * (c.k_slices * 1024) + part * sf_step_bytes(block),
-                         (chunk_offset + part * c.k_step) * 2, acc, tokens, block, c, live)
+        consume_tma_step(*step_args)
 
 
 @cute.jit
