@@ -31,6 +31,11 @@ def tactic_key(tactic) -> str:
     return ",".join(map(str, tactic))
 
 
+def eviction_buffer(device) -> torch.Tensor:
+    """What evict_l2 reads: twice the L2, written once here (zeros), so its lines are clean when it is read."""
+    return torch.zeros(2 * l2_bytes(device) // 4, dtype=torch.int32, device=device)
+
+
 def evict_l2(flush: torch.Tensor) -> None:
     """Read `flush` (twice the L2) whole: the lines it leaves behind are clean."""
     flush.sum(dtype=torch.int64)
@@ -139,7 +144,7 @@ def main() -> None:
         with open(args.summarize) as f:
             print_summary(summarize(json.load(f)))
         return
-    flush = torch.zeros(2 * l2_bytes("cuda") // 4, dtype=torch.int32, device="cuda")
+    flush = eviction_buffer("cuda")
     records = []
     for spec in args.points.split(","):
         name, num_tokens = spec.split(":")
