@@ -127,7 +127,8 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
                            inter, col_offset, top_k, p0, p1, p2, p3, tiled_mma, tok_layout).launch(
             grid=(cfg.ctas, 1, 1), block=(cfg.threads, 1, 1),
             smem=storage.size_in_bytes(), stream=stream, use_pdl=pdl,
-            min_blocks_per_mp=1)  # ptxas honours setmaxnreg only with a known register count at entry
+            min_blocks_per_mp=cfg.ctas_per_sm,  # ptxas honours setmaxnreg only with a known register count at entry
+            preferred_smem_carveout=100 if cfg.ctas_per_sm > 1 else None)
 
     return launch
 

@@ -124,6 +124,7 @@ class WgmmaConfig:
     # Persistent CTAs, work items ctas apart. 132 = the SMs of an H100 SXM / H200 (one 214 KB CTA each); on a GPU
     # with fewer SMs the extra CTAs wait for a free SM.
     ctas: int = 132
+    ctas_per_sm: int = 1  # 2: two CTAs share an SM (ctas = 264), each within half its registers and shared memory
     # fp32 padding of an s_c row (pitch 132 = 4 mod 32): the epilogue's 16-byte row reads by 8 consecutive rows
     # cover all 32 banks; the accumulator's 8-byte stores pay a 2-way conflict once per tile.
     pad: int = 4
@@ -175,10 +176,17 @@ class WgmmaConfig:
         assert self.stages >= 3, "the consumers hold up to two stages (wgmma wait_group(1))"
         assert self.sf_block in (16, 32), "NVFP4 (16) or MXFP4 (32) weights"
         regs = WARPGROUP * self.copier_regs + CONSUMERS * self.consumer_regs
-        # setmaxnreg moves registers within the CTA's launch allocation (ptxas gives each thread the most one CTA an
-        # SM allows, in steps of 8: 168 of 384 threads): an increase past it waits forever.
-        assert regs <= self.threads * (65536 // self.threads // 8 * 8), "registers the CTA gets at launch"
-        assert self.shared_bytes <= MAX_SHARED_BYTES, "shared memory: the launch would fail"
+        # setmaxnreg moves registers within the CTA's launch allocation (ptxas gives each thread the most that
+        # min_blocks_per_mp = ctas_per_sm allows, in steps of 8: 168 of 384 threads at one CTA an SM, 80 at two):
+        # an increase past it waits forever.
+        launch = self.threads * (65536 // (self.ctas_per_sm * self.threads) // 8 * 8)
+        assert regs <= launch, "registers the CTA gets at launch"
+        assert self.shared_bytes <= self.max_shared_bytes, "shared memory: the launch would fail"
+
+    @property
+    def max_shared_bytes(self) -> int:
+        """Shared memory a CTA may take with ctas_per_sm of them on an SM (228 KB, 1 KB of it reserved a CTA)."""
+        return MAX_SHARED_BYTES if self.ctas_per_sm == 1 else (228 * 1024) // self.ctas_per_sm - 1024
 
     @property
     def shared_bytes(self) -> int:
@@ -200,6 +208,14 @@ def config_for_tile(tile: int, sf_block: int, weight_rows: int = 128) -> WgmmaCo
     weight tile two raw weight halves a stage (25 KB: 6 stages with s_c), two accumulators and two register A
     buffers a half. 32- and 64-row routing tiles have smaller stages (4 or 8 KB of tokens) and s_c: more stages
     keep more weight bytes in flight in the same shared memory."""
+    if tile == 32 and weight_rows == 128:
+        # Two CTAs an SM: four consumer warpgroups instead of two to hide the decode's latencies where the
+        # single CTA issued from 1 eligible warp of 3 (Mixtral T=64); 104 consumer registers hold the one m64n32
+        # accumulator (the 256-row form's two serialise its wgmmas at 104), 32 + 2 x 104 of 80 a thread at launch.
+        # Whole forwards with the default tactics, against one CTA an SM: gpt-oss-120b T = 384-960 1.007-1.024x,
+        # DeepSeek-V3 T = 384-960, Mixtral T = 64-256 and Qwen3 T = 64-256 within +-1% (h200_session32_checks.md).
+        return WgmmaConfig(bm=32, bn=128, stages=11, sf_block=sf_block, ctas=264, ctas_per_sm=2,
+                           copier_regs=32, consumer_regs=104)
     if tile in (32, 64):
         return WgmmaConfig(bm=tile, bn=weight_rows, stages=10 if tile == 32 else 8, sf_block=sf_block,
                            zero_padding=tile == 64)
