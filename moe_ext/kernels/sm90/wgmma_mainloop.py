@@ -213,7 +213,7 @@ def config_for_tile(tile: int, sf_block: int, weight_rows: int = 128) -> WgmmaCo
         # single CTA issued from 1 eligible warp of 3 (Mixtral T=64); 104 consumer registers hold the one m64n32
         # accumulator (the 256-row form's two serialise its wgmmas at 104), 32 + 2 x 104 of 80 a thread at launch.
         # Whole forwards with the default tactics, against one CTA an SM: gpt-oss-120b T = 384-960 1.007-1.024x,
-        # DeepSeek-V3 T = 384-960, Mixtral T = 64-256 and Qwen3 T = 64-256 within +-1% (h200_session32_checks.md).
+        # DeepSeek-V3 T = 384-960 and Mixtral T = 64-96 within 1.2% (h200_session32_checks.md).
         return WgmmaConfig(bm=32, bn=128, stages=11, sf_block=sf_block, ctas=264, ctas_per_sm=2,
                            copier_regs=32, consumer_regs=104)
     if tile in (32, 64):
