@@ -66,6 +66,19 @@ def test_partial_rebuild_needs_a_complete_build_and_a_matching_name(tmp_path):
         build.build(str(tmp_path), only="no_such_kernel")
 
 
+def test_partial_rebuild_selects_by_regular_expression():
+    """--only is a regular expression searched in each name: substrings keep working, and one pattern selects
+    every streaming GEMM (what a streaming-mainloop change rebuilds) and nothing else."""
+    from moe_ext.kernels.sm90 import build, stream
+
+    names = [name for name, _ in build.specialisations()]
+    assert build.selected(names, "moe_finalize") == ["moe_finalize"]
+    streaming = build.selected(names, r"^moe_gemm[12]_(?!.*wgmma)")
+    assert streaming and all("wgmma" not in n and n.startswith(("moe_gemm1_", "moe_gemm2_")) for n in streaming)
+    assert {n.split("_t")[-1].split("_")[0] for n in streaming} == {str(t) for t in stream.TOKEN_TILES}
+    assert len(streaming) == len([n for n in names if n.startswith("moe_gemm") and "wgmma" not in n])
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None or os.environ.get("MOE_EXT_NO_LAUNCHER") == "1",
                     reason="no CUDA toolkit: the launcher is not built")
 def test_installed_launcher_links_the_kernels():
