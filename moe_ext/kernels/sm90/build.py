@@ -97,9 +97,9 @@ def build(out_dir: str, only: str | None = None) -> list[str]:
         if built != names:
             raise ValueError(f"--only recompiles part of a complete build, but {out_dir} does not hold this tree's "
                              f"{len(names)} kernels: build it whole first")
-        if not selected(names, only):
-            raise ValueError(f"--only {only!r} matches no kernel")
         rebuilt = set(selected(names, only))
+        if not rebuilt:
+            raise ValueError(f"--only {only!r} matches no kernel")
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
     _load_dsl_runtime()
     os.makedirs(out_dir, exist_ok=True)
