@@ -68,7 +68,8 @@ TOKEN_BLOCK = 128
 # is two such halves sharing each token stage (two m64n128k16 per k16 block with different A), so a stage's token
 # rows feed twice the MMA.
 WEIGHT_HALF = 128
-MAX_SHARED_BYTES = 227 * 1024  # opt-in dynamic shared memory of a Hopper CTA
+SM_SHARED_BYTES = 228 * 1024  # shared memory of a Hopper SM; each resident CTA reserves 1 KB of it
+MAX_SHARED_BYTES = SM_SHARED_BYTES - 1024  # opt-in dynamic shared memory of a Hopper CTA (227 KB)
 TILES = (32, 64, 128, 256)  # the routing tiles the wgmma GEMMs are built for
 # (routing tile, weight rows) of every wgmma GEMM built: at most two accumulators (blocks x halves) fit the registers
 SHAPES = ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128), (256, 128), (128, 256))
@@ -185,8 +186,8 @@ class WgmmaConfig:
 
     @property
     def max_shared_bytes(self) -> int:
-        """Shared memory a CTA may take with ctas_per_sm of them on an SM (228 KB, 1 KB of it reserved a CTA)."""
-        return MAX_SHARED_BYTES if self.ctas_per_sm == 1 else (228 * 1024) // self.ctas_per_sm - 1024
+        """Shared memory a CTA may take with ctas_per_sm of them on an SM (MAX_SHARED_BYTES at one)."""
+        return SM_SHARED_BYTES // self.ctas_per_sm - 1024
 
     @property
     def shared_bytes(self) -> int:
