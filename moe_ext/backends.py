@@ -49,7 +49,8 @@ class HopperBackend:
     split): tokens per CTA of the streaming GEMMs (a tile the kernels were compiled for) and how many CTAs of a
     cluster share each GEMM tile's K steps; split launcher.WGMMA (0) runs that GEMM's warp-specialised wgmma kernel
     instead (128-token tile; in the quantized modes both GEMMs or neither), launcher.WGMMA_WIDE (-1) its 256-row
-    weight tiles, launcher.THREE_CTAS (-2) its streaming kernel's three-CTAs-an-SM form (8- and 32-token tiles)."""
+    weight tiles, launcher.THREE_CTAS (-2) its streaming kernel's three-CTAs-an-SM form (8- and 32-token tiles);
+    (8, launcher.FUSED_DECODE, launcher.FUSED_DECODE) (-3) runs the whole small-T forward as one launch."""
 
     name: str = "sm90"
 
@@ -98,6 +99,8 @@ class HopperBackend:
         from . import launcher
 
         base = launcher.tactics(self._tiles(problem), **self._forms(problem))
+        if launcher.fits_fused_decode(problem) and launcher.DECODE_TILE in self._tiles(problem):
+            base.append((launcher.DECODE_TILE, launcher.FUSED_DECODE, launcher.FUSED_DECODE))
         if self._both_widths(problem):
             return [t + (1,) for t in base] + [t + (0,) for t in base]
         return base

@@ -271,6 +271,14 @@ WIDE_WEIGHT_ROWS = 256
 # The "split" of a GEMM that selects its streaming kernel's three-CTAs-an-SM form, no K split (8- and 32-token
 # tiles, stream.config_for): it pays where a launch's CTAs fill three an SM, and loses where a few hundred run.
 THREE_CTAS = -2
+# The "split" (both GEMMs) that runs the whole forward as one cooperative launch: routing, GEMM1, GEMM2 and the fused
+# finalize (moe_ext/kernels/sm90/decode_fused.py), for w4a16 layers with fused finalize and T * top_k <=
+# DECODE_MAX_PAIRS, on 8-token routing tiles.
+FUSED_DECODE = -3
+DECODE_TILE = 8
+DECODE_MAX_PAIRS = 64  # decode_fused.MAX_PAIRS
+DECODE_SPLITS = 8  # decode_fused.MAX_SPLITS: GEMM1 partial tiles a weight tile may leave in the workspace
+DECODE_CTAS_PER_SM = 2  # decode_fused.CONFIG.ctas_per_sm: the cooperative grid
 # GEMM1 CTAs an SM (expected, on 8-token tiles) from which the default tactic takes 16-token tiles instead: with its
 # ring unrolled the 16-token mainloop (three CTAs an SM) beat the 8-token default by 1.02-1.06x at T = 8-64 on five
 # shapes (5.8-62 CTAs an SM: the tactic table and replay A/Bs, h200_session31_checks.md). Below (T = 1, EP8 T=8:
@@ -460,6 +468,8 @@ class KernelBuffers:
     intermediate_bf16: torch.Tensor
     row_scale: torch.Tensor
     slot_output: torch.Tensor
+    decode_partials: torch.Tensor  # FUSED_DECODE's GEMM1 partial tiles (fp32)
+    grid_barrier: torch.Tensor  # FUSED_DECODE's grid-barrier word: zeroed once, left consistent by every launch
 
     @staticmethod
     def sizes(quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int,
@@ -471,14 +481,18 @@ class KernelBuffers:
             intermediate_bf16=rows * inter,
             row_scale=rows if quant_mode == "w4a4" else 0,
             slot_output=tokens * top_k * hidden,
+            decode_partials=DECODE_SPLITS * min(tokens * top_k, DECODE_MAX_PAIRS) * 2 * inter
+            if quant_mode == "w4a16" else 0,
+            grid_barrier=4,
         )
 
     @classmethod
     def allocate(cls, quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int,
                  device, wgmma: bool = True) -> "KernelBuffers":
         dtypes = dict(x_decoded=torch.bfloat16, intermediate_bf16=torch.bfloat16, row_scale=torch.float32,
-                      slot_output=torch.bfloat16)
-        return cls(**{name: torch.empty(max(n, 1), dtype=dtypes[name], device=device)
+                      slot_output=torch.bfloat16, decode_partials=torch.float32, grid_barrier=torch.int32)
+        return cls(**{name: (torch.zeros if name == "grid_barrier" else torch.empty)(max(n, 1), dtype=dtypes[name],
+                                                                                     device=device)
                       for name, n in cls.sizes(quant_mode, rows, inter, tokens, top_k, hidden, wgmma).items()})
 
     def view(self, quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int,
@@ -493,6 +507,50 @@ def _dummies(device: torch.device) -> dict:
     """One-element stand-ins for the tensors a mode's kernel takes but does not read."""
     return {dtype: torch.zeros(4, dtype=dtype, device=device)
             for dtype in (torch.bfloat16, torch.uint8, torch.float32)}
+
+
+def decode_kernel(kind: str) -> str:
+    return f"moe_decode_w4a16_{kind}"
+
+
+def fits_fused_decode(problem) -> bool:
+    """Whether FUSED_DECODE can run this problem: a w4a16 layer with fused finalize, no localized shards, at most
+    DECODE_MAX_PAIRS (token, expert) pairs, and the kernel linked."""
+    return (problem.kernel_mode == "w4a16" and problem.use_fused_finalize and problem.shards is None
+            and 0 < problem.num_tokens * problem.top_k <= DECODE_MAX_PAIRS
+            and has_kernel(decode_kernel(problem.activation.kind)))
+
+
+def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pdl: bool) -> torch.Tensor:
+    """The whole forward as one cooperative launch (FUSED_DECODE; moe_ext/kernels/sm90/decode_fused.py): no
+    routing maps, no memset node; the kernel zeroes `out` itself before its fused finalize adds into it."""
+    if not fits_fused_decode(problem):
+        raise ValueError(f"FUSED_DECODE runs w4a16 layers with fused finalize, no localized shards and at most "
+                         f"{DECODE_MAX_PAIRS} (token, expert) pairs; got {problem.kernel_mode}, fused finalize "
+                         f"{problem.use_fused_finalize}, T * top_k = {problem.num_tokens * problem.top_k}")
+    device = problem.device
+    T, K, H, I, E = (problem.num_tokens, problem.top_k, problem.hidden_size, problem.intermediate_size,
+                     problem.num_local_experts)
+    n1 = problem.n1
+    u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
+    w = problem.weights
+    partials = DECODE_SPLITS * T * K * n1
+    launch(decode_kernel(problem.activation.kind), [
+        _check("x", problem.x, bf16, device, T * H, 16),
+        _check("token_selected_experts", problem.token_selected_experts, i32, device, T * K),
+        _check("token_final_scales", problem.token_final_scales, f32, device, T * K),
+        _weight_view(_check("w1_weight", w.w1, u8, device, E * n1 * H // 2, 16)),
+        _check("w1_weight_sf", w.w1_sf_bytes(), u8, device, swizzled_size(E, n1, H // 16), 16),
+        _check("w1_alpha", problem.w1_alpha, f32, device, E),
+        _weight_view(_check("w2_weight", w.w2, u8, device, E * H * I // 2, 16)),
+        _check("w2_weight_sf", w.w2_sf_bytes(), u8, device, swizzled_size(E, H, I // 16), 16),
+        _check("w2_alpha", problem.w2_alpha, f32, device, E),
+        _check("moe_output", out, bf16, device, T * H, 16),
+        _check("decode_partials", buffers.decode_partials[:partials], f32, device, partials, 16),
+        _check("grid_barrier", buffers.grid_barrier[:1], i32, device, 1),
+    ], [H, I, n1, K, E, problem.local_expert_offset, *activation_params(problem.activation),
+        DECODE_CTAS_PER_SM * num_sms(device)], enable_pdl, device)
+    return out
 
 
 def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor, enable_pdl: bool,
@@ -516,6 +574,10 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     mode = problem.kernel_mode
     block = problem.sf_block
     fused = problem.use_fused_finalize
+    if FUSED_DECODE in k_splits:
+        if k_splits != (FUSED_DECODE, FUSED_DECODE) or routing.tile_size != DECODE_TILE:
+            raise ValueError(f"k_splits {k_splits}: FUSED_DECODE runs both GEMMs on {DECODE_TILE}-token tiles")
+        return decode_forward(problem, buffers, out, enable_pdl)
     wgmma = is_wgmma(k_splits[0])
     if wgmma != is_wgmma(k_splits[1]):  # the wgmma GEMMs' token operands are in their K order (routing.py)
         raise ValueError(f"k_splits {k_splits}: both GEMMs run the wgmma kernels or neither does")

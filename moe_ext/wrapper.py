@@ -155,13 +155,19 @@ class CuteDslMoEWrapper:
     def get_valid_tactics(self) -> list[tuple]:
         """Tactics `run(..., tactic=)` accepts: on Hopper (routing tile, GEMM1 K split, GEMM2 K split; a split of
         launcher.WGMMA runs that GEMM's wgmma kernel, launcher.WGMMA_WIDE its 256-row weight tiles,
-        launcher.THREE_CTAS its three-CTAs-an-SM streaming form), on the reference path (routing tile,)."""
+        launcher.THREE_CTAS its three-CTAs-an-SM streaming form; (8, FUSED_DECODE, FUSED_DECODE) the one-launch forward,
+        for calls of at most launcher.DECODE_MAX_PAIRS (token, expert) pairs), on the reference path (routing tile,)."""
         if not self.on_hopper:
             return [(t,) for t in self.routing_tiles]
         parts = 2 if self.localized else 1  # a localized shard holds half of each GEMM's weight rows
         n1 = 2 * self.intermediate_size if self.activation.gated else self.intermediate_size
-        return launcher.tactics(self.routing_tiles, **launcher.kernel_forms(
+        tactics = launcher.tactics(self.routing_tiles, **launcher.kernel_forms(
             self.quant_mode, self.activation.kind, n1 // parts, self.hidden_size // parts))
+        if (self.quant_mode == "w4a16" and self.use_fused_finalize and not self.localized
+                and self.top_k <= launcher.DECODE_MAX_PAIRS and launcher.DECODE_TILE in self.routing_tiles
+                and launcher.has_kernel(launcher.decode_kernel(self.activation.kind))):
+            tactics.append((launcher.DECODE_TILE, launcher.FUSED_DECODE, launcher.FUSED_DECODE))  # T * top_k <= 64
+        return tactics
 
     def run(self, x, x_sf, token_selected_experts, token_final_scales, w1_weight, w1_weight_sf, w1_alpha,
             fc2_input_scale, w2_weight, w2_weight_sf, w2_alpha, tactic=None, *, per_token_scale=None):

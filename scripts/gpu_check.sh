@@ -15,6 +15,8 @@
 #              each bench step is cut at $AB_STEP_SECONDS (default 200)
 #   tactic_table: every valid tactic's cold whole forward at $TABLE_POINTS over $TABLE_DRAWS routing draws
 #              (benchmarks/tactic_table.py), and where the heuristic's tactic ranks: the data for retuning it
+#   fused_decode: tests/test_fused_decode.py, then whole forwards of the heuristic's tactic against FUSED_DECODE
+#              (8,-3,-3) at $DECODE_SHAPES x $DECODE_TOKENS (default T = 1, 2, 4, 8), $AB_ROUNDS interleaved rounds
 #   ab_tactics: per-kernel profile of each tactic of $AB_TACTICS ("default" or "tile,split1,split2") at $AB_POINTS
 #   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels);
 #              $SWEEP_TOKENS and $SWEEP_SHAPES narrow it
@@ -186,6 +188,19 @@ elif [ "$PART" = ab_bench ]; then  # what per-kernel sums miss: gaps between ker
     done
   done
   [ "$PARTS" = ab_bench ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
+elif [ "$PART" = fused_decode ]; then  # the one-launch small-T forward: its tests, then whole forwards (graph
+  # replays) with the heuristic's tactic and with FUSED_DECODE, in interleaved rounds ($DECODE_SHAPES x $DECODE_TOKENS)
+  tests_step pytest_fused_decode 240 tests/test_fused_decode.py -rs
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    for t in default 8,-3,-3; do
+      name="fused_decode_${t//[,-]/_}_$round"
+      step "$name" 200 python3 -m moe_ext.bench --shapes "${DECODE_SHAPES:-$SHAPES}" --tokens "${DECODE_TOKENS:-1,2,4,8}" \
+        --modes w4a16 --finalize fused --impls moe_ext --tactic "$t" --iters 50 --max-seconds-per-point 1.0 \
+        --energy-seconds 0 --out "$OUT/$name.json"
+      python3 -c "import json, sys; print(sys.argv[2] + ':', ' '.join(f\"{r['shape']}:{r['T']} {r['us']:.1f}\"
+        for r in json.load(open(sys.argv[1])) if 'us' in r))" "$OUT/$name.json" "$t round $round" >> "$OUT/summary.txt"
+    done
+  done
 elif [ "$PART" = tactic_table ]; then
   step tactic_table 560 python3 benchmarks/tactic_table.py --out "$OUT/tactic_table.json" \
     --draws "${TABLE_DRAWS:-5}" ${TABLE_POINTS:+--points "$TABLE_POINTS"}

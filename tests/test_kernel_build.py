@@ -37,7 +37,8 @@ def test_every_shipped_kernel_compiles_for_sm90a(built_kernels):
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
         gemms += [f"moe_gemm2_{mode}{suffix}" for mode in ("w4a16", "w4a4_pt", "w4a8")]
     assert names == ["moe_routing", *gemms, "moe_routing_decode_nvfp4", "moe_routing_decode_mxfp8",
-                     "moe_routing_decode_bf16", "moe_fc2_quant_per_token", "moe_finalize"]
+                     "moe_routing_decode_bf16", "moe_fc2_quant_per_token", "moe_finalize",
+                     *(f"moe_decode_w4a16_{kind}" for kind in ("swiglu", "situ", "geglu_tanh", "relu2"))]
     table = (tmp_path / "kernel_table.inc").read_text()
     assert all(f'{{"{name}",' in table for name in names)
     for name in names:
@@ -355,6 +356,18 @@ def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):
     for name in names:
         counts = kernel_sass.opcode_counts(kernel_sass.sass(str(built_kernels / f"{name}.o")))
         assert counts["LDL"] + counts["STL"] == 0, name
+
+
+def test_fused_decode_kernels_fit_the_instruction_cache_and_do_not_spill(built_kernels, kernel_sass):
+    """The one-launch forward (decode_fused.py) runs both GEMMs through one mainloop and stages tokens in a loop:
+    its first build, with two unrolled copies of everything, was 13,184 instructions and 41% of its stall samples
+    waited for instruction fetch (ncu, Qwen3-30B-A3B T=1). It must stay small and in registers."""
+    for kind in ("swiglu", "situ", "geglu_tanh", "relu2"):
+        listing = kernel_sass.sass(str(built_kernels / f"moe_decode_w4a16_{kind}.o"))
+        counts = kernel_sass.opcode_counts(listing)
+        assert counts["LDL"] + counts["STL"] == 0, kind
+        assert sum(counts.values()) < 6000, (kind, sum(counts.values()))
+        assert counts["ATOM"] >= 1 and counts["CCTL"] >= 1, "the grid barrier's atomic and its gpu-scope fences"
 
 
 def test_narrow_mainloop_widths_skip_whole_mma_columns():

@@ -33,8 +33,8 @@ def specialisations():
     """(export name, compile function) of every kernel the launcher links."""
     import functools
 
-    from . import (activations, fc2_quant_per_token, finalize, gemm1, gemm1_wgmma, gemm2, gemm2_wgmma, routing, stream,
-                   wgmma_mainloop)
+    from . import (activations, decode_fused, fc2_quant_per_token, finalize, gemm1, gemm1_wgmma, gemm2, gemm2_wgmma,
+                   routing, stream, wgmma_mainloop)
 
     specs = [("moe_routing", routing.compile_routing)]
     for tokens in stream.TOKEN_TILES:
@@ -69,6 +69,9 @@ def specialisations():
               for fmt in routing.DECODE_FORMATS]
     specs += [("moe_fc2_quant_per_token", fc2_quant_per_token.compile_fc2_quant),
               ("moe_finalize", finalize.compile_finalize)]
+    # The one-launch small-T forward (w4a16, fused finalize; launcher.FUSED_DECODE).
+    specs += [(f"moe_decode_w4a16_{kind}", functools.partial(decode_fused.compile_decode, kind))
+              for kind in activations.KINDS]
     return specs
 
 

@@ -5,6 +5,7 @@ decode and the e4m3 rounding. Each is a small inline-asm wrapper on 32-bit regis
 """
 from __future__ import annotations
 
+import cutlass
 from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -50,6 +51,21 @@ def tma_load_3d(dst: Int32, tensor_map: Int64, c0, c1, c2, bar: Int32, *, loc=No
 def prefetch_tensormap(tensor_map: Int64, *, loc=None, ip=None) -> None:
     """Bring a TMA descriptor (generic address) into the descriptor cache ahead of its first copy."""
     _asm(0, [Int64(tensor_map)], "prefetch.tensormap [$0];", "l,~{memory}", side_effects=True)
+
+
+@dsl_user_op
+def prefetch_tma_3d_l2(tensor_map: Int64, c0, c1, c2, *, loc=None, ip=None) -> None:
+    """Bring one TMA box of the 3-d `tensor_map` at (c0, c1, c2) into L2 (no shared memory, no barrier)."""
+    _asm(0, [Int64(tensor_map), Int32(c0), Int32(c1), Int32(c2)],
+         "cp.async.bulk.prefetch.tensor.3d.L2.global.tile [$0, {$1, $2, $3}];", "l,r,r,r,~{memory}",
+         side_effects=True)
+
+
+@dsl_user_op
+def prefetch_bulk_l2(src: Int64, nbytes: Int32, *, loc=None, ip=None) -> None:
+    """Bring `nbytes` (a multiple of 16, 16-byte aligned) of global memory into L2."""
+    _asm(0, [Int64(src), Int32(nbytes)], "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r,~{memory}",
+         side_effects=True)
 
 
 @dsl_user_op
@@ -141,6 +157,30 @@ def st_global_b32(addr: Int64, value: Int32, *, loc=None, ip=None) -> None:
 def ld_global_v2(addr: Int64, *, loc=None, ip=None) -> list:
     values = _asm(2, [Int64(addr)], "ld.global.nc.v2.b32 {$0, $1}, [$2];", "=r,=r,l")
     return [Int32(v) for v in values]
+
+
+@dsl_user_op
+def ld_global_cg_v4(addr: Int64, *, loc=None, ip=None) -> list:
+    """16 bytes from L2, past the SM's L1: data another CTA of the same grid wrote (the non-coherent path of
+    ld_global_v4 may serve a stale copy)."""
+    values = _asm(4, [Int64(addr)], "ld.global.cg.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", side_effects=True)
+    return [Int32(v) for v in values]
+
+
+@dsl_user_op
+def grid_barrier(counter: Int64, leader, ctas: Int32, *, loc=None, ip=None) -> None:
+    """One thread a CTA (after a CTA barrier) arrives at the grid-wide barrier on the u32 at `counter` and waits
+    for every CTA of the launch (all co-resident: a cooperative launch). The leader CTA adds 2^31 - (ctas - 1),
+    every other one 1: the word's top bit flips once all have arrived, so the word never needs resetting between
+    launches (CUDA's cooperative-groups grid sync does the same). The gpu-scope fences make each CTA's earlier
+    global writes visible to every CTA past the barrier."""
+    _asm(0, [Int64(counter), Int32(cutlass.select_(leader, Int32(1), Int32(0))), Int32(ctas)],
+         "{ .reg .u32 add, old, now, flip; .reg .pred lead, done; setp.ne.u32 lead, $1, 0; "
+         "sub.u32 add, 0x80000001, $2; selp.u32 add, add, 1, lead; fence.acq_rel.gpu; "
+         "atom.add.release.gpu.u32 old, [$0], add; "
+         "GRID_SPIN_${:uid}: ld.acquire.gpu.u32 now, [$0]; xor.b32 flip, now, old; setp.lt.s32 done, flip, 0; "
+         "@!done bra.uni GRID_SPIN_${:uid}; fence.acq_rel.gpu; }",
+         "l,r,r,~{memory}", side_effects=True)
 
 
 @dsl_user_op

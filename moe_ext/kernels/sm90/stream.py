@@ -71,6 +71,9 @@ class StreamConfig:
     # `live` tokens (mainloop_widths): a CTA runs the narrowest that holds its live rows, so experts with few rows
     # pay for fewer padding columns.
     narrow: bool = True
+    # The token staging's tasks unrolled (each task's loads in flight together), or one loop body: decode_fused.py's
+    # stagings (an activation a value) would otherwise take more code than the instruction cache holds.
+    unroll_staging: bool = True
 
     @property
     def rows(self) -> int:
@@ -432,7 +435,7 @@ def chunk_tasks(tokens: int, c: StreamConfig, live: int) -> int:
 @cute.jit
 def accumulate(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_extent, rank, k_split,
                live_rows, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
-               load_group: cutlass.Constexpr):
+               load_group: cutlass.Constexpr, cluster_reduce: cutlass.Constexpr = True):
     """The mainloop of one CTA over weight rows [first_row, first_row + cfg.rows) of `expert` in a 4-bit weight
     (scales `w_sf`; `w_map` from weight_map): leaves its accumulator
     tile (summed over K slices, and on cluster rank 0 over the cluster's ranks) in sm.out. `load_group(r, k,
@@ -441,7 +444,8 @@ def accumulate(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_exten
 
     The k_split CTAs of a cluster take contiguous runs of K steps; inside a CTA, K slice `part` takes every
     k_slices-th step of the run: its j-th step is first + j * k_slices + part. `live_rows`: the tile's token rows
-    that are not padding; the narrowest mainloop width that holds them runs (mainloop_widths).
+    that are not padding; the narrowest mainloop width that holds them runs (mainloop_widths). Without
+    `cluster_reduce` each CTA keeps its own K range's partial tile (the caller reduces them: decode_fused.py).
     """
     fill_scale_lut(sm, tid, block)  # read after the first staging barrier below
     acc = cute.make_rmem_tensor((accumulator_size(tokens, cfg),), Float32)
@@ -461,14 +465,15 @@ def accumulate(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_exten
         if part == sl:
             store_accumulators(sm, tid, acc, tokens, cfg, add=sl > 0)
         cute.arch.sync_threads()
-    # Cluster split-K: rank 0 adds the other ranks' tiles in rank order; they wait until it has read them.
-    cute.arch.cluster_arrive()
-    cute.arch.cluster_wait()
-    if rank == 0:
-        for peer in cutlass.range(1, k_split):
-            add_peer_accumulators(sm, tid, peer, tokens, cfg)
-    cute.arch.cluster_arrive()
-    cute.arch.cluster_wait()
+    if cutlass.const_expr(cluster_reduce):
+        # Cluster split-K: rank 0 adds the other ranks' tiles in rank order; they wait until it has read them.
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if rank == 0:
+            for peer in cutlass.range(1, k_split):
+                add_peer_accumulators(sm, tid, peer, tokens, cfg)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
 
 
 @cute.jit
@@ -505,17 +510,25 @@ def stage_tokens(sm, tid, first, k_run, k_end, tokens: cutlass.Constexpr, cfg: c
                  load_group: cutlass.Constexpr, live: cutlass.Constexpr):
     """Stage the K-chunk at k_run (inside the run starting at step `first`) of the first `live` token rows,
     decoded to bf16, in the tile order, between two CTA barriers."""
-    chunk = k_chunk(tokens, cfg)
     if cutlass.const_expr(cfg.mma == "wgmma_async"):
         ptx.wgmma_wait(0)  # the last steps' wgmmas still read the tile this staging overwrites
     cute.arch.sync_threads()
-    for m in cutlass.range_constexpr(chunk_tasks(tokens, cfg, live)):
-        r, c = task_position(tid, m, cfg.threads, chunk // 8)
-        values, valid = load_group(r, first * cfg.k_step + k_run + c * 8, k_end)
-        store_chunk(sm, r, c, values, valid, tokens, cfg)
+    if cutlass.const_expr(cfg.unroll_staging):
+        for m in cutlass.range_constexpr(chunk_tasks(tokens, cfg, live)):
+            stage_task(sm, tid, m, first, k_run, k_end, tokens, cfg, load_group)
+    else:
+        for m in cutlass.range(chunk_tasks(tokens, cfg, live)):
+            stage_task(sm, tid, m, first, k_run, k_end, tokens, cfg, load_group)
     if cutlass.const_expr(cfg.mma != "sync"):
         ptx.fence_proxy_async_shared()  # the tile is read by wgmma (async proxy)
     cute.arch.sync_threads()
+
+
+def stage_task(sm, tid, m, first, k_run, k_end, tokens: int, cfg: StreamConfig, load_group) -> None:
+    """Task m of a K-chunk's staging: one 8-value chunk of one token row."""
+    r, c = task_position(tid, m, cfg.threads, k_chunk(tokens, cfg) // 8)
+    values, valid = load_group(r, first * cfg.k_step + k_run + c * 8, k_end)
+    store_chunk(sm, r, c, values, valid, tokens, cfg)
 
 
 class TmaSource(NamedTuple):
@@ -550,6 +563,14 @@ def issue_tma_stage(sm: Smem, lane, src: TmaSource, first, stage, steps, block: 
                                 (step + u) * 64, src.first_row, src.expert, bar.toint())
 
 
+def address_of(t) -> Int64:
+    """The global address of a weight's scales (a tensor) or TMA descriptor (a TensorMap), or `t` itself where the
+    caller already chose one (decode_fused.py runs one mainloop for both GEMMs)."""
+    if isinstance(t, Int64):
+        return t
+    return t.iterator.toint() if isinstance(t, cute.Tensor) else t.get_ptr().toint()
+
+
 @cute.jit
 def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
                  part, acc: cute.Tensor, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
@@ -559,7 +580,7 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
     warp releases a stage it has read on the stage's empty barrier, and warp 0 refills the slot at its next stage
     (refill_tma_stage)."""
     chunk = k_chunk(tokens, cfg)
-    src = TmaSource(w_map.get_ptr().toint(), expert, first_row, w_sf.iterator.toint() + Int64(
+    src = TmaSource(address_of(w_map), expert, first_row, address_of(w_sf) + Int64(
         swizzled_sf_offset(expert, first_row, 0, rows_per_expert, k_extent // block)))
     num_stages = (steps + cfg.k_slices - 1) // cfg.k_slices
     place = step_place(sm, tid, cfg, block)

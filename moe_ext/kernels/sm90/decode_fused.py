@@ -1,0 +1,263 @@
+"""The whole small-T forward in one launch (sm_90a): routing, GEMM1, GEMM2 and the fused finalize of a w4a16 layer.
+
+At decode the chain routing -> GEMM1 -> GEMM2 is three latency-bound kernels with a launch gap between each:
+Qwen3-30B-A3B at T=1 spent ~27.5 µs on ~19 MB of weights (~4.5 µs at the H200's bandwidth), ~6 µs of it in the
+gaps and GEMM1 on only 96-192 CTAs. Here one cooperative grid, two CTAs an SM, does it all:
+
+  1. every CTA routes the T * top_k pairs itself, in shared memory (no routing launch, no maps in global memory):
+     rows sorted by (local expert, pair), 8-row tiles of one expert each; it also starts GEMM2's weights on
+     their way into L2 where they fit, and zeroes its share of the output;
+  2. GEMM1: work items (row tile, 128 weight rows, K range) spread over the grid, the K ranges sized so the items
+     fill it (`splits`); each writes its fp32 partial tile to `partials`;
+  3. a grid-wide barrier;
+  4. GEMM2: items (row tile, 128 hidden rows); their token staging sums the K ranges' partials in rank order (as
+     the cluster split-K of gemm1.py does), applies alpha and the activation and rounds to bf16 - the FC2 input
+     gemm1.py would have stored - and the epilogue reduce-adds the router-weighted rows into the output
+     (gemm2.py's fused finalize).
+
+Both GEMMs run one copy of stream.py's mainloop on 8-token tiles (a loop over the two phases: with a copy each and
+the staging unrolled the kernel was 13,184 instructions and 41% of its stalls waited for instruction fetch). The
+output is as deterministic as the fused finalize (its bf16 reduce-adds), and only w4a16 is built; the launcher
+takes this path for T * top_k <= MAX_PAIRS when the tactic says so (launcher.FUSED_DECODE).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, GridConstant, Int32, Int64
+from cutlass.experimental.cuda import TensorMap
+
+from . import activations, ptx
+from .fp4 import swizzled_sf_offset
+from . import stream as streaming
+
+TOKENS = 8  # rows of a routing tile: one mma.sync n8 column block
+MAX_PAIRS = 64  # T * top_k the in-kernel routing holds (shared-memory arrays of this length)
+MAX_SPLITS = 8  # K ranges of a GEMM1 weight tile: the partials workspace holds this many tiles
+# Two CTAs an SM (128 registers: the three-CTA form's 80 spill here), 2048-K token chunks, the staging not unrolled.
+CONFIG = replace(streaming.config_for(TOKENS, 1), token_elems=TOKENS * 2048, unroll_staging=False)
+BLOCK = 16  # NVFP4 weight scales
+PREFETCH_L2_BYTES = 24 << 20  # GEMM2 weights prefetched into the 50 MB L2 up to this size (Qwen3 T=1: 6.3 MB)
+
+
+class RoutePlan(NamedTuple):
+    """Shared-memory routing of one CTA (every CTA builds the same)."""
+
+    pair_expert: cute.Tensor  # local expert of pair q (token_selected_experts flat), -1 if not local
+    pair_rows: cute.Tensor  # rows of pair q's expert on the pair that comes first for it, else 0
+    row_pair: cute.Tensor  # pair of sorted row r (rows by local expert, then pair)
+    tile_expert: cute.Tensor  # local expert of 8-row tile t
+    tile_row0: cute.Tensor  # its first row
+    tile_limit: cute.Tensor  # one past its last row
+
+
+def allocate_plan() -> RoutePlan:
+    smem = cutlass.utils.SmemAllocator()
+    return RoutePlan(*(smem.allocate_tensor(Int32, cute.make_layout(MAX_PAIRS), byte_alignment=16)
+                       for _ in RoutePlan._fields))
+
+
+@cute.jit
+def route_pairs(plan: RoutePlan, tid, ids: cute.Tensor, pairs, num_experts, offset):
+    """Fill `plan` from the expert ids (pairs <= MAX_PAIRS <= threads) and return the number of row tiles. Each
+    pair finds its row by counting the pairs ordered before it; the first pair of each expert lays out that
+    expert's tiles after those of the smaller experts."""
+    expert = Int32(-1)
+    if tid < pairs:
+        local = ids[tid] - offset
+        if local >= 0 and local < num_experts:
+            expert = local
+        plan.pair_expert[tid] = expert
+        plan.pair_rows[tid] = Int32(0)
+    cute.arch.sync_threads()
+    row = Int32(0)
+    rows = Int32(0)
+    first = Int32(1)
+    if tid < pairs and expert >= 0:
+        for q in cutlass.range(pairs):
+            other = plan.pair_expert[q]
+            same = other == expert
+            row += cutlass.select_((other >= 0) & ((other < expert) | (same & (q < tid))), Int32(1), Int32(0))
+            rows += cutlass.select_(same, Int32(1), Int32(0))
+            first = cutlass.select_(same & (q < tid), Int32(0), first)
+        plan.row_pair[row] = tid
+        if first == 1:
+            plan.pair_rows[tid] = rows
+    cute.arch.sync_threads()
+    if tid < pairs and expert >= 0 and first == 1:
+        tile0 = Int32(0)
+        for q in cutlass.range(pairs):
+            n = plan.pair_rows[q]
+            tile0 += cutlass.select_((n > 0) & (plan.pair_expert[q] < expert), (n + TOKENS - 1) // TOKENS, Int32(0))
+        for j in cutlass.range((rows + TOKENS - 1) // TOKENS):
+            plan.tile_expert[tile0 + j] = expert
+            plan.tile_row0[tile0 + j] = row + j * TOKENS
+            plan.tile_limit[tile0 + j] = row + cute.math.min(rows, (j + 1) * TOKENS)
+    tiles = Int32(0)
+    for q in cutlass.range(pairs):
+        tiles += (plan.pair_rows[q] + TOKENS - 1) // TOKENS
+    cute.arch.sync_threads()
+    return tiles
+
+
+def splits(ctas, items, steps):
+    """GEMM1 K ranges per weight tile: as many as keep `items` x ranges within the grid, each range at least two
+    128-K steps, at most MAX_SPLITS."""
+    s = cute.math.max(Int32(1), ctas // cute.math.max(Int32(1), items))
+    return cute.math.max(Int32(1), cute.math.min(cute.math.min(s, Int32(MAX_SPLITS)), steps // 2))
+
+
+def make_kernel(kind: str):
+    gated = kind != "relu2"
+    cfg = CONFIG
+    threads = cfg.threads
+    out_cols = cfg.rows * TOKENS // threads  # GEMM epilogues: accumulator columns per thread (4)
+
+    @cute.kernel
+    def decode_kernel(x_bf16: cute.Tensor, token_selected_experts: cute.Tensor, token_final_scales: cute.Tensor,
+                      w1_sf: cute.Tensor, w1_map: GridConstant[TensorMap], w1_alpha: cute.Tensor,
+                      w2_sf: cute.Tensor, w2_map: GridConstant[TensorMap], w2_alpha: cute.Tensor,
+                      out: cute.Tensor, partials: cute.Tensor, barrier: cute.Tensor,
+                      hidden: Int32, inter: Int32, n1: Int32, top_k: Int32, num_experts: Int32, expert_offset: Int32,
+                      p0: Float32, p1: Float32, p2: Float32, p3: Float32, ctas: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        cta, _, _ = cute.arch.block_idx()
+        sm = streaming.allocate(TOKENS, cfg)
+        plan = allocate_plan()
+        by_top_k = ptx.division_magic(top_k)
+        x_address = x_bf16.iterator.toint()
+        partial0 = partials.iterator.toint()
+        out_address = out.iterator.toint()
+        cute.arch.griddepcontrol_wait()
+        pairs = cute.size(token_selected_experts)
+        tiles = route_pairs(plan, tid, token_selected_experts, pairs, num_experts, expert_offset)
+        s1 = splits(ctas, tiles * (n1 // cfg.rows), hidden // cfg.k_step)
+        a_row = tid // (threads // TOKENS)  # the epilogues' accumulator row and first column
+        c0 = (tid % (threads // TOKENS)) * out_cols
+
+        # GEMM2's weights into L2 while GEMM1 runs (where they fit well inside it): this CTA's GEMM2 items, a
+        # thread a 128-K step (the TMA box its mainloop will load) and one thread their scale tiles.
+        steps2 = inter // cfg.k_step
+        if Int64(tiles) * Int64(hidden) * Int64(inter // 2) <= Int64(PREFETCH_L2_BYTES):
+            for item in cutlass.range(cta, tiles * (hidden // cfg.rows), ctas):
+                t = item // (hidden // cfg.rows)
+                n_tile = item - t * (hidden // cfg.rows)
+                expert = plan.tile_expert[t]
+                for step in cutlass.range(tid, steps2, threads):
+                    ptx.prefetch_tma_3d_l2(w2_map.get_ptr().toint(), step * 64, n_tile * cfg.rows, expert)
+                if tid == threads - 1:
+                    ptx.prefetch_bulk_l2(w2_sf.iterator.toint() + Int64(swizzled_sf_offset(
+                        expert, n_tile * cfg.rows, 0, hidden, inter // BLOCK)), steps2 * streaming.sf_step_bytes(BLOCK))
+
+        # The fused finalize adds into the output: zero it before the grid barrier below.
+        for i in cutlass.range(cta * threads + tid, cute.size(out) // 8, ctas * threads):
+            ptx.st_global_v4(out_address + Int64(i) * 16, Int32(0), Int32(0), Int32(0), Int32(0))
+
+        # Phase 0, GEMM1: (tile, weight-row tile, K range) items -> fp32 partial tiles at
+        # partials[range][row][n1 column]. Phase 1, GEMM2: (tile, hidden-row tile) items, their staging builds the
+        # FC2 input from the partials, their epilogue adds into the output. One loop, so one copy of the mainloop.
+        for phase in cutlass.range(2):
+            gemm2 = phase == 1
+            if gemm2:
+                cute.arch.sync_threads()
+                if tid == 0:
+                    ptx.grid_barrier(barrier.iterator.toint(), cta == 0, ctas)
+                cute.arch.sync_threads()
+            rows_per_expert = Int32(cutlass.select_(gemm2, hidden, n1))
+            k_extent = Int32(cutlass.select_(gemm2, inter, hidden))
+            ranges = Int32(cutlass.select_(gemm2, Int32(1), s1))
+            per_tile = rows_per_expert // cfg.rows * ranges
+            w_sf = Int64(cutlass.select_(gemm2, w2_sf.iterator.toint(), w1_sf.iterator.toint()))
+            w_map = Int64(cutlass.select_(gemm2, w2_map.get_ptr().toint(), w1_map.get_ptr().toint()))
+            for item in cutlass.range(cta, tiles * per_tile, ctas):
+                t = item // per_tile
+                rest = item - t * per_tile
+                n_tile = rest // ranges
+                rank = rest - n_tile * ranges
+                expert = plan.tile_expert[t]
+                row0 = plan.tile_row0[t]
+                limit = plan.tile_limit[t]
+                alpha = w1_alpha[expert]
+
+                def load_group(r, kk, k_end):
+                    """8 values at K = kk of row row0 + r: x of its token (GEMM1), or gemm1.py's epilogue (alpha,
+                    the activation, bf16) on the summed partials (GEMM2: the FC2 input)."""
+                    valid = (row0 + r < limit) & (kk < k_end)
+                    row = cute.math.min(row0 + r, limit - 1)
+                    words = cute.make_rmem_tensor((4,), Int32)
+                    words.fill(0)
+                    if gemm2:
+                        if valid:  # the K ranges' partials summed in rank order (the cluster split-K's order)
+                            col = (kk // 64) * cfg.rows + kk % 64 if gated else kk  # up; gate 64 columns on
+                            acc = cute.make_rmem_tensor((16,), Float32)
+                            acc.fill(0.0)
+                            for rank_in in cutlass.range(ranges):
+                                base = partial0 + (Int64(rank_in * pairs + row) * Int64(n1) + Int64(col)) * 4
+                                for half in cutlass.range_constexpr(2 if gated else 1):
+                                    for q in cutlass.range_constexpr(2):
+                                        v = ptx.ld_global_cg_v4(base + half * (cfg.rows // 2) * 4 + q * 16)
+                                        for i in cutlass.range_constexpr(4):
+                                            acc[half * 8 + q * 4 + i] = acc[half * 8 + q * 4 + i] + v[i].bitcast(
+                                                Float32)
+                            values = [activations.apply(kind, acc[i] * alpha if gated else None,
+                                                        acc[8 * gated + i] * alpha, (p0, p1, p2, p3))
+                                      for i in range(8)]
+                            for i in cutlass.range_constexpr(4):
+                                words[i] = ptx.pack_bf16x2(values[2 * i], values[2 * i + 1])
+                    else:
+                        token = ptx.divide_by_magic(plan.row_pair[row], by_top_k)
+                        k = cute.math.min(kk, hidden - 8)
+                        v = ptx.ld_global_v4(x_address + (Int64(token) * Int64(hidden) + Int64(k)) * 2)
+                        for i in cutlass.range_constexpr(4):
+                            words[i] = v[i]
+                    return streaming.bf16x8_to_tile([words[i] for i in range(4)]), valid
+
+                streaming.accumulate(sm, tid, w_sf, w_map, expert, n_tile * cfg.rows, rows_per_expert, k_extent,
+                                     rank, ranges, limit - row0, TOKENS, cfg, BLOCK, load_group, cluster_reduce=False)
+                if a_row < limit - row0:
+                    if gemm2:
+                        pair = plan.row_pair[row0 + a_row]
+                        scale = w2_alpha[expert] * token_final_scales[pair]
+                        words = [ptx.pack_bf16x2(scale * sm.out[a_row, c0 + 2 * i],
+                                                 scale * sm.out[a_row, c0 + 2 * i + 1]) for i in range(out_cols // 2)]
+                        address = out_address + (Int64(ptx.divide_by_magic(pair, by_top_k)) * Int64(hidden) + Int64(
+                            n_tile * cfg.rows + c0)) * 2
+                        ptx.write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
+                    else:
+                        words = [sm.out[a_row, c0 + i].bitcast(Int32) for i in range(out_cols)]
+                        ptx.write_words(partial0 + (Int64(rank * pairs + row0 + a_row) * Int64(n1) + Int64(
+                            n_tile * cfg.rows + c0)) * 4, words)
+                cute.arch.sync_threads()  # the next item's staging overwrites sm.out
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def launch(x_bf16: cute.Tensor, token_selected_experts: cute.Tensor, token_final_scales: cute.Tensor,
+               w1: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor, w2: cute.Tensor, w2_sf: cute.Tensor,
+               w2_alpha: cute.Tensor, out: cute.Tensor, partials: cute.Tensor, barrier: cute.Tensor,
+               hidden: Int32, inter: Int32, n1: Int32, top_k: Int32, num_experts: Int32, expert_offset: Int32,
+               p0: Float32, p1: Float32, p2: Float32, p3: Float32, ctas: Int32, pdl: cutlass.Boolean,
+               stream: cuda.CUstream):
+        w1_map = streaming.weight_map(w1, cute.size(w1_alpha), n1, hidden, cfg)
+        w2_map = streaming.weight_map(w2, cute.size(w2_alpha), hidden, inter, cfg)
+        decode_kernel(x_bf16, token_selected_experts, token_final_scales, w1_sf, w1_map, w1_alpha, w2_sf, w2_map,
+                      w2_alpha, out, partials, barrier, hidden, inter, n1, top_k, num_experts, expert_offset,
+                      p0, p1, p2, p3, ctas).launch(
+            grid=(ctas, 1, 1), block=(threads, 1, 1), stream=stream, use_pdl=pdl,
+            min_blocks_per_mp=cfg.ctas_per_sm, preferred_smem_carveout=100, cooperative=True)
+
+    return launch
+
+
+def compile_decode(kind: str, options: str):
+    from .fake_args import vector
+
+    u8 = cutlass.Uint8
+    return cute.compile(
+        make_kernel(kind), vector(BFloat16, 16), vector(Int32), vector(Float32), vector(u8, 16), vector(u8, 16),
+        vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32), vector(BFloat16, 16), vector(Float32, 16),
+        vector(Int32), Int32(128), Int32(128), Int32(256), Int32(1), Int32(1), Int32(0), Float32(0), Float32(0),
+        Float32(0), Float32(0), Int32(1), cutlass.Boolean(True), cuda.CUstream(0), options=options)

@@ -1,0 +1,131 @@
+"""The one-launch small-T forward (launcher.FUSED_DECODE, moe_ext/kernels/sm90/decode_fused.py) against the reference:
+its in-kernel routing (experts hit by several tokens, by one token twice, by more rows than one 8-row tile, ids
+outside the local range), its GEMM1 K ranges (odd step counts, fewer steps than ranges), the grid barrier across
+many launches and CUDA-graph replays. Skipped without an H100/H200 or without the kernels linked."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import (ACTS, TOLERANCE, gpu, hopper_kernels, make_case, reference_and_gate, rel_l2,
+                      replays_with_new_inputs)
+
+import moe_ext
+from moe_ext import launcher
+from moe_ext.backends import HOPPER
+from moe_ext.problem import build_problem
+
+pytestmark = [pytest.mark.gpu, gpu, hopper_kernels]
+
+FUSED = (launcher.DECODE_TILE, launcher.FUSED_DECODE, launcher.FUSED_DECODE)
+
+
+def check(case, tactic=FUSED):
+    kw = case.kwargs(use_fused_finalize=True)
+    problem = build_problem(**kw)
+    assert tactic in HOPPER.tactics(problem)
+    expected, gate = reference_and_gate(problem, TOLERANCE["w4a16"])
+    out = moe_ext.cute_dsl_fused_moe(**kw, moe_output=torch.full_like(expected, float("nan")), tactic=tactic)
+    assert torch.isfinite(out).all(), "the kernel zeroes the output before adding into it"
+    assert rel_l2(out, expected) <= gate, (rel_l2(out, expected), gate)
+    return out
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (1, 8), (3, 4), (8, 8), (16, 4), (64, 1)])
+def test_fused_decode_matches_reference(act, tokens, top_k):
+    case = make_case("w4a16", act, num_tokens=tokens, top_k=top_k, num_experts=16, hidden=256, inter=512,
+                     seed=tokens * 10 + top_k, invalid_fraction=0.1).to("cuda")
+    check(case)
+
+
+@pytest.mark.parametrize("shape", [(2944, 384), (2048, 768), (7168, 256), (128, 128)], ids=str)
+@pytest.mark.parametrize("ep_rank", [(1, 0), (8, 3)], ids=str)
+def test_fused_decode_k_ranges_and_expert_parallelism(shape, ep_rank):
+    """23 and 1 GEMM1 steps of 128 (an odd count; a single step, which no split divides), 3 and 1 GEMM2 steps,
+    and an EP rank whose local experts most pairs miss."""
+    hidden, inter = shape
+    ep, rank = ep_rank
+    case = make_case("w4a16", "swiglu", num_tokens=5, top_k=8, num_experts=64, hidden=hidden, inter=inter, ep=ep,
+                     rank=rank, seed=hidden + rank, weight_scale=0.02).to("cuda")
+    check(case)
+
+
+def test_fused_decode_crowded_and_repeated_experts():
+    """Every pair on two experts (one expert gets 40 rows: five 8-row tiles), tokens that name an expert twice,
+    and a token with no local expert at all."""
+    case = make_case("w4a16", "swiglu", num_tokens=16, top_k=4, num_experts=8, hidden=256, inter=256, seed=7)
+    ids = torch.tensor([[1, 1, 6, 1]] * 10 + [[6, 1, 6, 6]] * 5 + [[-1, 9, 12, -5]], dtype=torch.int32)
+    check(dataclasses.replace(case, ids=ids).to("cuda"))
+
+
+def test_fused_decode_is_the_kernel_chain_bit_for_bit():
+    """With one expert a token the fused finalize adds each output row once into zeros, so the one-launch forward
+    must equal the routing -> GEMM1 -> GEMM2 chain bit for bit where both sum the same K ranges in the same order:
+    8 tiles x 8 weight tiles leave the 264-CTA grid room for 4 ranges of this problem's 8 GEMM1 steps (two
+    each), the chain's cluster split of 4, and GEMM2 unsplit with one K slice (the three-CTA form)."""
+    case = make_case("w4a16", "swiglu", num_tokens=64, top_k=1, num_experts=8, hidden=1024, inter=512,
+                     seed=3).to("cuda")
+    fused = check(case)
+    chain = moe_ext.cute_dsl_fused_moe(**case.kwargs(use_fused_finalize=True), tactic=(8, 4, launcher.THREE_CTAS))
+    assert torch.equal(fused, chain), rel_l2(fused, chain)
+
+
+def test_fused_decode_grid_barrier_survives_many_launches():
+    """The barrier word is never reset: 300 launches in a row must each finish, none passing the barrier early
+    (which would add GEMM2 rows from half-written partials). One expert a token: every launch is bitwise the same."""
+    case = make_case("w4a16", "swiglu", num_tokens=64, top_k=1, num_experts=32, hidden=512, inter=256,
+                     seed=9).to("cuda")
+    kw = case.kwargs(use_fused_finalize=True)
+    wrapper = moe_ext.CuteDslMoEWrapper(case.num_experts, 1, 512, 256, max_num_tokens=64, quant_mode="w4a16",
+                                        device="cuda", use_fused_finalize=True)
+    args = {k: kw[k] for k in ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_weight",
+                               "w1_weight_sf", "w1_alpha", "fc2_input_scale", "w2_weight", "w2_weight_sf",
+                               "w2_alpha")}
+    first = wrapper.run(**args, tactic=FUSED).clone()
+    outs = torch.stack([wrapper.run(**args, tactic=FUSED).clone() for _ in range(300)])
+    assert all(torch.equal(o, first) for o in outs)
+
+
+def test_fused_decode_in_a_captured_wrapper_replays_new_routing():
+    """The wrapper's captured forward replayed with new routing and activations each step, against an eager
+    chain forward on the same inputs."""
+    base = make_case("w4a16", num_tokens=4, top_k=8, num_experts=32, hidden=512, inter=256, seed=0).to("cuda")
+    wrapper = moe_ext.CuteDslMoEWrapper(32, 8, 512, 256, use_cuda_graph=True, max_num_tokens=4, quant_mode="w4a16",
+                                        device="cuda", use_fused_finalize=True)
+    wrapper.run = _with_tactic(wrapper.run, FUSED)
+    for step, captured, eager in replays_with_new_inputs(wrapper, base, fused=True, steps=30):
+        assert rel_l2(captured, eager) <= 5e-3, step
+
+
+def _with_tactic(run, tactic):
+    def wrapped(*args, **kwargs):
+        return run(*args, **kwargs, tactic=tactic)
+    return wrapped
+
+
+@pytest.mark.parametrize("over,why", [
+    (dict(use_fused_finalize=False), "deterministic finalize"),
+    (dict(num_tokens=9, top_k=8), "72 pairs"),
+])
+def test_fused_decode_is_offered_only_where_it_runs(over, why):
+    tokens, top_k = over.pop("num_tokens", 4), over.pop("top_k", 8)
+    case = make_case("w4a16", num_tokens=tokens, top_k=top_k, num_experts=16, hidden=256, inter=256).to("cuda")
+    problem = build_problem(**case.kwargs(**over))
+    assert FUSED not in HOPPER.tactics(problem), why
+    with pytest.raises(ValueError, match="not valid"):
+        moe_ext.cute_dsl_fused_moe(**case.kwargs(**over), tactic=FUSED)
+
+
+def test_fused_decode_is_not_offered_for_quantized_activations():
+    case = make_case("w4a4", num_tokens=2, top_k=8, num_experts=16, hidden=256, inter=256).to("cuda")
+    assert FUSED not in HOPPER.tactics(build_problem(**case.kwargs(use_fused_finalize=True)))
+
+
+def test_wrapper_lists_the_fused_decode_tactic_for_fused_w4a16_only():
+    def tactics(**kw):
+        return moe_ext.CuteDslMoEWrapper(16, 8, 256, 256, device="cuda", **kw).get_valid_tactics()
+
+    assert FUSED in tactics(quant_mode="w4a16", use_fused_finalize=True)
+    assert FUSED not in tactics(quant_mode="w4a16", use_fused_finalize=False)
+    assert FUSED not in tactics(quant_mode="w4a8", use_fused_finalize=True)
