@@ -116,7 +116,9 @@ class HopperBackend:
         tactic = launcher.default_tactic(problem.num_tokens, problem.top_k, problem.num_experts,
                                          problem.num_local_experts, problem.n1 // parts,
                                          problem.hidden_size // parts, self._tiles(problem), sms,
-                                         **self._forms(problem))
+                                         fused_decode=launcher.DEFAULT_FUSED_DECODE
+                                         and launcher.fits_fused_decode(problem)
+                                         and launcher.DECODE_TILE in self._tiles(problem), **self._forms(problem))
         return tactic + (1,) if self._both_widths(problem) else tactic
 
     def run(self, problem: MoEProblem, tactic: Tactic, out: torch.Tensor,

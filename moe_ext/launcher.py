@@ -279,6 +279,10 @@ DECODE_TILE = 8
 DECODE_MAX_PAIRS = 64  # decode_fused.MAX_PAIRS
 DECODE_SPLITS = 8  # decode_fused.MAX_SPLITS: GEMM1 partial tiles a weight tile may leave in the workspace
 DECODE_CTAS_PER_SM = 2  # decode_fused.CONFIG.ctas_per_sm: the cooperative grid
+# Whether the untuned heuristic may pick FUSED_DECODE (default_tactic's `fused_decode`). Off until the H200 runs
+# tests/test_fused_decode.py on this build: the one measured there (session 33) had a GEMM2 staging that read
+# only the first of GEMM1's K ranges (fixed since, not yet re-run); an explicit tactic or the tuner can take it.
+DEFAULT_FUSED_DECODE = False
 # GEMM1 CTAs an SM (expected, on 8-token tiles) from which the default tactic takes 16-token tiles instead: with its
 # ring unrolled the 16-token mainloop (three CTAs an SM) beat the 8-token default by 1.02-1.06x at T = 8-64 on five
 # shapes (5.8-62 CTAs an SM: the tactic table and replay A/Bs, h200_session31_checks.md). Below (T = 1, EP8 T=8:
@@ -378,7 +382,7 @@ def tactics(tiles: tuple, wgmma: bool = False, wide: tuple = (False, False), thr
 
 def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, n1: int, hidden: int,
                    tiles: tuple, num_sms: int, wgmma: bool = False, wide: tuple = (False, False),
-                   three_ctas: bool = False, narrow_wgmma: tuple = ()) -> tuple:
+                   three_ctas: bool = False, narrow_wgmma: tuple = (), fused_decode: bool = False) -> tuple:
     """The heuristic for untuned shapes.
 
     Tile: up to 64, the smallest with room for twice an expert's average rows. Decode streams an expert's weights
@@ -407,7 +411,14 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     An 8-token tile whose GEMM1 would launch SIXTEEN_OVER_EIGHT_WAVES+ CTAs an SM takes 16 tokens instead.
     On a THREE_CTA_TILES tile (`three_ctas`), an unsplit GEMM whose expected CTAs fill three an SM takes THREE_CTAS:
     GEMM1 1.06-1.21x and GEMM2 1.27-1.80x there; at 256 CTAs it was 0.76-0.96x (h200_session17_checks.md).
+    Where the one-launch forward can run (`fused_decode`: fits_fused_decode) and GEMM1's expected weight tiles fit
+    one an SM (so its K splits at least in two across the two-CTA grid), it takes FUSED_DECODE: Qwen3-30B-A3B T=1
+    1.36x, DeepSeek-V3 EP8 T = 1 / 2 / 4 1.28 / 1.75 / 1.67x in graph replays; where more tiles run it was
+    0.63-1.24x (h200_session33_checks.md). The backend asks for it only under DEFAULT_FUSED_DECODE.
     """
+    if fused_decode and num_tokens * top_k <= DECODE_MAX_PAIRS and \
+            expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts) * n1 / 128 <= num_sms:
+        return (DECODE_TILE, FUSED_DECODE, FUSED_DECODE)
     local_slots = num_tokens * top_k * num_local_experts / max(1, num_experts)
     per_expert = local_slots / max(1, num_local_experts)
     streaming = [t for t in tiles if t in TOKEN_TILES]

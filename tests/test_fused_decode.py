@@ -62,9 +62,10 @@ def test_fused_decode_crowded_and_repeated_experts():
 def test_fused_decode_is_the_kernel_chain_bit_for_bit():
     """With one expert a token the fused finalize adds each output row once into zeros, so the one-launch forward
     must equal the routing -> GEMM1 -> GEMM2 chain bit for bit where both sum the same K ranges in the same order:
-    8 tiles x 8 weight tiles leave the 264-CTA grid room for 4 ranges of this problem's 8 GEMM1 steps (two
-    each), the chain's cluster split of 4, and GEMM2 unsplit with one K slice (the three-CTA form)."""
-    case = make_case("w4a16", "swiglu", num_tokens=64, top_k=1, num_experts=8, hidden=1024, inter=512,
+    12 row tiles x 2 weight tiles are 24 GEMM1 items, which leave any grid of 48+ SMs room for the most ranges
+    this problem's 8 steps allow (4, two steps each) - the chain's cluster split of 4 - and GEMM2 unsplit with one
+    K slice (the three-CTA form)."""
+    case = make_case("w4a16", "swiglu", num_tokens=64, top_k=1, num_experts=8, hidden=1024, inter=128,
                      seed=3).to("cuda")
     fused = check(case)
     chain = moe_ext.cute_dsl_fused_moe(**case.kwargs(use_fused_finalize=True), tactic=(8, 4, launcher.THREE_CTAS))

@@ -375,3 +375,24 @@ def test_profile_samples_the_candidates_in_rotating_rounds():
     assert calls[:3] == [(1,), (2,), (3,)]  # the warm-up runs
     assert calls[3:] == [(1,), (2,), (3,), (2,), (3,), (1,), (3,), (1,), (2,)]
     assert min(timings, key=timings.get) == (2,) and max(timings, key=timings.get) == (1,)
+
+
+def test_hopper_default_tactic_takes_the_fused_decode_where_gemm1_fits_one_tile_an_sm():
+    """FUSED_DECODE where it runs and GEMM1's expected weight tiles fit one an SM (measured 1.28-1.75x there), the
+    kernel chain elsewhere (0.63-1.24x with more tiles: h200_session33_checks.md)."""
+    from moe_ext import launcher
+
+    tiles, fused = launcher.TOKEN_TILES, (8, launcher.FUSED_DECODE, launcher.FUSED_DECODE)
+
+    def default(*shape, fits=True):
+        return launcher.default_tactic(*shape, tiles, 132, fused_decode=fits)
+
+    assert default(1, 8, 128, 128, 1536, 2048) == fused  # Qwen3 T=1: 8 experts x 12 tiles
+    assert default(1, 8, 128, 128, 1536, 2048, fits=False) != fused  # deterministic finalize, w4a4, ...
+    assert default(2, 8, 128, 128, 1536, 2048) != fused  # ~15.5 experts x 12
+    assert default(4, 8, 256, 32, 4096, 7168) == fused  # DeepSeek-V3 EP8 T=4: ~3.8 local experts x 32
+    assert default(8, 8, 256, 32, 4096, 7168) != fused  # ~7.1 x 32
+    assert default(1, 4, 128, 128, 5760, 2880) != fused  # gpt-oss-120b T=1: 4 x 45
+    assert default(1, 2, 8, 8, 28672, 4096) != fused  # Mixtral T=1: 2 x 224
+    assert default(64, 1, 4096, 4096, 128, 128) == fused  # 64 (token, expert) pairs fit the kernel's routing ...
+    assert default(72, 1, 4096, 4096, 128, 128) != fused  # ... 72 do not

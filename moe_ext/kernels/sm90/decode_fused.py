@@ -5,8 +5,7 @@ Qwen3-30B-A3B at T=1 spent ~27.5 µs on ~19 MB of weights (~4.5 µs at the H200'
 gaps and GEMM1 on only 96-192 CTAs. Here one cooperative grid, two CTAs an SM, does it all:
 
   1. every CTA routes the T * top_k pairs itself, in shared memory (no routing launch, no maps in global memory):
-     rows sorted by (local expert, pair), 8-row tiles of one expert each; it also starts GEMM2's weights on
-     their way into L2 where they fit, and zeroes its share of the output;
+     rows sorted by (local expert, pair), 8-row tiles of one expert each, and zeroes its share of the output;
   2. GEMM1: work items (row tile, 128 weight rows, K range) spread over the grid, the K ranges sized so the items
      fill it (`splits`); each writes its fp32 partial tile to `partials`;
   3. a grid-wide barrier;
@@ -32,7 +31,6 @@ from cutlass import BFloat16, Float32, GridConstant, Int32, Int64
 from cutlass.experimental.cuda import TensorMap
 
 from . import activations, ptx
-from .fp4 import swizzled_sf_offset
 from . import stream as streaming
 
 TOKENS = 8  # rows of a routing tile: one mma.sync n8 column block
@@ -41,7 +39,6 @@ MAX_SPLITS = 8  # K ranges of a GEMM1 weight tile: the partials workspace holds 
 # Two CTAs an SM (128 registers: the three-CTA form's 80 spill here), 2048-K token chunks, the staging not unrolled.
 CONFIG = replace(streaming.config_for(TOKENS, 1), token_elems=TOKENS * 2048, unroll_staging=False)
 BLOCK = 16  # NVFP4 weight scales
-PREFETCH_L2_BYTES = 24 << 20  # GEMM2 weights prefetched into the 50 MB L2 up to this size (Qwen3 T=1: 6.3 MB)
 
 
 class RoutePlan(NamedTuple):
@@ -139,20 +136,6 @@ def make_kernel(kind: str):
         a_row = tid // (threads // TOKENS)  # the epilogues' accumulator row and first column
         c0 = (tid % (threads // TOKENS)) * out_cols
 
-        # GEMM2's weights into L2 while GEMM1 runs (where they fit well inside it): this CTA's GEMM2 items, a
-        # thread a 128-K step (the TMA box its mainloop will load) and one thread their scale tiles.
-        steps2 = inter // cfg.k_step
-        if Int64(tiles) * Int64(hidden) * Int64(inter // 2) <= Int64(PREFETCH_L2_BYTES):
-            for item in cutlass.range(cta, tiles * (hidden // cfg.rows), ctas):
-                t = item // (hidden // cfg.rows)
-                n_tile = item - t * (hidden // cfg.rows)
-                expert = plan.tile_expert[t]
-                for step in cutlass.range(tid, steps2, threads):
-                    ptx.prefetch_tma_3d_l2(w2_map.get_ptr().toint(), step * 64, n_tile * cfg.rows, expert)
-                if tid == threads - 1:
-                    ptx.prefetch_bulk_l2(w2_sf.iterator.toint() + Int64(swizzled_sf_offset(
-                        expert, n_tile * cfg.rows, 0, hidden, inter // BLOCK)), steps2 * streaming.sf_step_bytes(BLOCK))
-
         # The fused finalize adds into the output: zero it before the grid barrier below.
         for i in cutlass.range(cta * threads + tid, cute.size(out) // 8, ctas * threads):
             ptx.st_global_v4(out_address + Int64(i) * 16, Int32(0), Int32(0), Int32(0), Int32(0))
@@ -195,7 +178,7 @@ def make_kernel(kind: str):
                             col = (kk // 64) * cfg.rows + kk % 64 if gated else kk  # up; gate 64 columns on
                             acc = cute.make_rmem_tensor((16,), Float32)
                             acc.fill(0.0)
-                            for rank_in in cutlass.range(ranges):
+                            for rank_in in cutlass.range(s1):  # GEMM1's ranges
                                 base = partial0 + (Int64(rank_in * pairs + row) * Int64(n1) + Int64(col)) * 4
                                 for half in cutlass.range_constexpr(2 if gated else 1):
                                     for q in cutlass.range_constexpr(2):

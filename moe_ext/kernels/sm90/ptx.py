@@ -54,21 +54,6 @@ def prefetch_tensormap(tensor_map: Int64, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def prefetch_tma_3d_l2(tensor_map: Int64, c0, c1, c2, *, loc=None, ip=None) -> None:
-    """Bring one TMA box of the 3-d `tensor_map` at (c0, c1, c2) into L2 (no shared memory, no barrier)."""
-    _asm(0, [Int64(tensor_map), Int32(c0), Int32(c1), Int32(c2)],
-         "cp.async.bulk.prefetch.tensor.3d.L2.global.tile [$0, {$1, $2, $3}];", "l,r,r,r,~{memory}",
-         side_effects=True)
-
-
-@dsl_user_op
-def prefetch_bulk_l2(src: Int64, nbytes: Int32, *, loc=None, ip=None) -> None:
-    """Bring `nbytes` (a multiple of 16, 16-byte aligned) of global memory into L2."""
-    _asm(0, [Int64(src), Int32(nbytes)], "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r,~{memory}",
-         side_effects=True)
-
-
-@dsl_user_op
 def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
     """Order this thread's generic-proxy shared accesses before later async-proxy ones (bulk and TMA copies)."""
     _asm(0, [], "fence.proxy.async.shared::cta;", "~{memory}", side_effects=True)
