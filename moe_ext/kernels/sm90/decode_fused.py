@@ -108,7 +108,9 @@ def splits(ctas, items, steps):
     return cute.math.max(Int32(1), cute.math.min(cute.math.min(s, Int32(MAX_SPLITS)), steps // 2))
 
 
-def make_kernel(kind: str):
+def make_kernel(kind: str, gemms: tuple = (True, True)):
+    """gemms: which GEMM phases run their items (a timing variant without one of them times the rest of the
+    kernel: benchmarks/decode_phase_variants.py); the routing, the zeroing and the grid barrier always run."""
     gated = kind != "relu2"
     cfg = CONFIG
     threads = cfg.threads
@@ -156,7 +158,10 @@ def make_kernel(kind: str):
             per_tile = rows_per_expert // cfg.rows * ranges
             w_sf = Int64(cutlass.select_(gemm2, w2_sf.iterator.toint(), w1_sf.iterator.toint()))
             w_map = Int64(cutlass.select_(gemm2, w2_map.get_ptr().toint(), w1_map.get_ptr().toint()))
-            for item in cutlass.range(cta, tiles * per_tile, ctas):
+            items = tiles * per_tile
+            if cutlass.const_expr(gemms != (True, True)):
+                items = items * Int32(cutlass.select_(gemm2, Int32(int(gemms[1])), Int32(int(gemms[0]))))
+            for item in cutlass.range(cta, items, ctas):
                 t = item // per_tile
                 rest = item - t * per_tile
                 n_tile = rest // ranges
@@ -235,12 +240,12 @@ def make_kernel(kind: str):
     return launch
 
 
-def compile_decode(kind: str, options: str):
+def compile_decode(kind: str, options: str, gemms: tuple = (True, True)):
     from .fake_args import vector
 
     u8 = cutlass.Uint8
     return cute.compile(
-        make_kernel(kind), vector(BFloat16, 16), vector(Int32), vector(Float32), vector(u8, 16), vector(u8, 16),
+        make_kernel(kind, gemms), vector(BFloat16, 16), vector(Int32), vector(Float32), vector(u8, 16), vector(u8, 16),
         vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32), vector(BFloat16, 16), vector(Float32, 16),
         vector(Int32), Int32(128), Int32(128), Int32(256), Int32(1), Int32(1), Int32(0), Float32(0), Float32(0),
         Float32(0), Float32(0), Int32(1), cutlass.Boolean(True), cuda.CUstream(0), options=options)
