@@ -34,7 +34,9 @@ def check(case, tactic=FUSED):
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (1, 8), (3, 4), (8, 8), (16, 4), (64, 1)])
 def test_fused_decode_matches_reference(act, tokens, top_k):
-    case = make_case("w4a16", act, num_tokens=tokens, top_k=top_k, num_experts=16, hidden=256, inter=512,
+    """Hidden 1024 is 8 GEMM1 steps: every case splits GEMM1's K in 2-4 ranges, which GEMM2's staging must sum
+    (a build that read only the first range passed every unsplit case)."""
+    case = make_case("w4a16", act, num_tokens=tokens, top_k=top_k, num_experts=16, hidden=1024, inter=512,
                      seed=tokens * 10 + top_k, invalid_fraction=0.1).to("cuda")
     check(case)
 
@@ -54,7 +56,7 @@ def test_fused_decode_k_ranges_and_expert_parallelism(shape, ep_rank):
 def test_fused_decode_crowded_and_repeated_experts():
     """Every pair on two experts (one expert gets 40 rows: five 8-row tiles), tokens that name an expert twice,
     and a token with no local expert at all."""
-    case = make_case("w4a16", "swiglu", num_tokens=16, top_k=4, num_experts=8, hidden=256, inter=256, seed=7)
+    case = make_case("w4a16", "swiglu", num_tokens=16, top_k=4, num_experts=8, hidden=1024, inter=256, seed=7)
     ids = torch.tensor([[1, 1, 6, 1]] * 10 + [[6, 1, 6, 6]] * 5 + [[-1, 9, 12, -5]], dtype=torch.int32)
     check(dataclasses.replace(case, ids=ids).to("cuda"))
 
