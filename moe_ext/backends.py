@@ -99,7 +99,7 @@ class HopperBackend:
         from . import launcher
 
         base = launcher.tactics(self._tiles(problem), **self._forms(problem))
-        if launcher.fits_fused_decode(problem) and launcher.DECODE_TILE in self._tiles(problem):
+        if launcher.fits_fused_decode(problem):
             base.append((launcher.DECODE_TILE, launcher.FUSED_DECODE, launcher.FUSED_DECODE))
         if self._both_widths(problem):
             return [t + (1,) for t in base] + [t + (0,) for t in base]
@@ -117,8 +117,7 @@ class HopperBackend:
                                          problem.num_local_experts, problem.n1 // parts,
                                          problem.hidden_size // parts, self._tiles(problem), sms,
                                          fused_decode=launcher.DEFAULT_FUSED_DECODE
-                                         and launcher.fits_fused_decode(problem)
-                                         and launcher.DECODE_TILE in self._tiles(problem), **self._forms(problem))
+                                         and launcher.fits_fused_decode(problem), **self._forms(problem))
         return tactic + (1,) if self._both_widths(problem) else tactic
 
     def run(self, problem: MoEProblem, tactic: Tactic, out: torch.Tensor,

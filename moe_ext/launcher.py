@@ -524,12 +524,20 @@ def decode_kernel(kind: str) -> str:
     return f"moe_decode_w4a16_{kind}"
 
 
+def offers_fused_decode(mode: str, kind: str, fused_finalize: bool, localized: bool, tiles: tuple) -> bool:
+    """Whether a layer can run FUSED_DECODE at small enough T: w4a16 with fused finalize, no localized shards, the
+    8-token routing tile among `tiles` and the kernel linked."""
+    return (mode == "w4a16" and fused_finalize and not localized and DECODE_TILE in tiles
+            and has_kernel(decode_kernel(kind)))
+
+
 def fits_fused_decode(problem) -> bool:
-    """Whether FUSED_DECODE can run this problem: a w4a16 layer with fused finalize, no localized shards, at most
-    DECODE_MAX_PAIRS (token, expert) pairs, and the kernel linked."""
-    return (problem.kernel_mode == "w4a16" and problem.use_fused_finalize and problem.shards is None
-            and 0 < problem.num_tokens * problem.top_k <= DECODE_MAX_PAIRS
-            and has_kernel(decode_kernel(problem.activation.kind)))
+    """Whether FUSED_DECODE can run this problem: offers_fused_decode, and at most DECODE_MAX_PAIRS (token, expert)
+    pairs."""
+    kind = problem.activation.kind
+    return (offers_fused_decode(problem.kernel_mode, kind, problem.use_fused_finalize, problem.shards is not None,
+                                token_tiles(problem.kernel_mode, kind))
+            and 0 < problem.num_tokens * problem.top_k <= DECODE_MAX_PAIRS)
 
 
 def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pdl: bool) -> torch.Tensor:

@@ -163,9 +163,8 @@ class CuteDslMoEWrapper:
         n1 = 2 * self.intermediate_size if self.activation.gated else self.intermediate_size
         tactics = launcher.tactics(self.routing_tiles, **launcher.kernel_forms(
             self.quant_mode, self.activation.kind, n1 // parts, self.hidden_size // parts))
-        if (self.quant_mode == "w4a16" and self.use_fused_finalize and not self.localized
-                and self.top_k <= launcher.DECODE_MAX_PAIRS and launcher.DECODE_TILE in self.routing_tiles
-                and launcher.has_kernel(launcher.decode_kernel(self.activation.kind))):
+        if self.top_k <= launcher.DECODE_MAX_PAIRS and launcher.offers_fused_decode(
+                self.quant_mode, self.activation.kind, self.use_fused_finalize, self.localized, self.routing_tiles):
             tactics.append((launcher.DECODE_TILE, launcher.FUSED_DECODE, launcher.FUSED_DECODE))  # T * top_k <= 64
         return tactics
 

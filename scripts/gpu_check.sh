@@ -91,6 +91,11 @@ tests_step() {  # tests_step NAME TIMEOUT PYTEST-ARGS...: a pytest step, its fai
   step "$name" "$limit" python3 -m pytest -q -p no:cacheprovider "$@"
   grep -E "^(FAILED|ERROR)" "$LOG/$name.log" | head -20 | tee -a "$OUT/summary.txt"
 }
+bench_summary() {  # bench_summary JSON LABEL: one summary line of a bench record's points (and energy, if timed)
+  python3 -c "import json, sys; print(sys.argv[2] + ':', ' '.join(f\"{r['shape']}:{r['T']} {r['us']:.1f}\"
+    + (f\" ({r['energy_mj']:.1f} mJ)\" if 'energy_mj' in r else '')
+    for r in json.load(open(sys.argv[1])) if 'us' in r))" "$1" "$2" >> "$OUT/summary.txt"
+}
 for PART in $PARTS; do
 echo "== $PART" >> "$OUT/summary.txt"
 if [ "$PART" = tests ]; then
@@ -181,10 +186,7 @@ elif [ "$PART" = ab_bench ]; then  # what per-kernel sums miss: gaps between ker
         --tokens "${AB_TOKENS:-1,8,64}" --modes w4a16 --finalize fused --impls moe_ext \
         --tactic "${AB_BENCH_TACTIC:-default}" --iters 50 --max-seconds-per-point 1.0 \
         --energy-seconds "${AB_ENERGY_SECONDS:-0.5}" --out "$OUT/$name.json"
-      python3 -c "import json, sys; print(sys.argv[2] + ':', ' '.join(f\"{r['shape']}:{r['T']} {r['us']:.1f}\"
-        + (f\" ({r['energy_mj']:.1f} mJ)\" if 'energy_mj' in r else '')
-        for r in json.load(open(sys.argv[1])) if 'us' in r))" "$OUT/$name.json" "$d round $round" \
-        >> "$OUT/summary.txt"
+      bench_summary "$OUT/$name.json" "$d round $round"
     done
   done
   [ "$PARTS" = ab_bench ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
@@ -197,8 +199,7 @@ elif [ "$PART" = fused_decode ]; then  # the one-launch small-T forward: its tes
       step "$name" 200 python3 -m moe_ext.bench --shapes "${DECODE_SHAPES:-$SHAPES}" --tokens "${DECODE_TOKENS:-1,2,4,8}" \
         --modes w4a16 --finalize fused --impls moe_ext --tactic "$t" --iters 50 --max-seconds-per-point 1.0 \
         --energy-seconds 0 --out "$OUT/$name.json"
-      python3 -c "import json, sys; print(sys.argv[2] + ':', ' '.join(f\"{r['shape']}:{r['T']} {r['us']:.1f}\"
-        for r in json.load(open(sys.argv[1])) if 'us' in r))" "$OUT/$name.json" "$t round $round" >> "$OUT/summary.txt"
+      bench_summary "$OUT/$name.json" "$t round $round"
     done
   done
 elif [ "$PART" = tactic_table ]; then
