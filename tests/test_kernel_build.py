@@ -206,7 +206,7 @@ def test_register_a_fragment_is_in_ptx_order():
 
     @cute.jit
     def probe():  # static layouts, read while tracing
-        tiled_mma = mainloop.make_tiled_mma(cfg)
+        tiled_mma = mainloop.make_tiled_mma(cfg.token_block)
         tv = tiled_mma.tv_layout_A_tiled  # (thread, value) -> (weight row, k) of one k16 block, column-major
         seen["coords"] = [[(tv((t, v)) % cfg.bn, tv((t, v)) // cfg.bn) for v in range(8)] for t in threads]
         fragment = tiled_mma.make_fragment_A(tiled_mma.get_slice(0).partition_shape_A((cfg.bn, 2 * cfg.bk)))
@@ -307,24 +307,24 @@ def kernel_sass():
 def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernels, kernel_sass):
     """The persistent wgmma GEMMs' SASS (read by scripts/kernel_sass.py from the exported objects) has register A
     wgmmas, no local-memory traffic in the mainloop (a spill there would sit in the decode of every stage) and no
-    wgmma that waits for the one before it."""
+    wgmma that waits for the one before it. Their wgmma N widths: a 128-token block (m64n128k16), or on 64- and
+    128-token tiles of 128 weight rows also every narrower width of 32 and 64 (WgmmaConfig.widths: an item runs
+    the narrowest that holds its live rows); one 32-token block."""
+    widths = {"t128_wgmma": [32, 64, 128], "t64_wgmma": [32, 64], "t32_wgmma": [32], "t256_wgmma": [128],
+              "t128_wgmma_n256": [128], "t64_wgmma_n256": [64], "t32_wgmma_n256": [32]}
     for name in ("moe_gemm1_w4a16_swiglu_t128_wgmma", "moe_gemm2_w4a16_t128_wgmma", "moe_gemm2_w4a8_t128_wgmma",
                  "moe_gemm1_w4a16_swiglu_t256_wgmma", "moe_gemm2_w4a16_t256_wgmma", "moe_gemm1_w4a8_relu2_t256_wgmma",
                  "moe_gemm1_w4a16_swiglu_t128_wgmma_n256", "moe_gemm2_w4a16_t128_wgmma_n256",
-                 "moe_gemm1_w4a8_relu2_t128_wgmma_n256"):
+                 "moe_gemm1_w4a8_relu2_t128_wgmma_n256", "moe_gemm1_w4a16_swiglu_t64_wgmma",
+                 "moe_gemm1_w4a8_relu2_t64_wgmma_n256", "moe_gemm2_w4a16_t64_wgmma", "moe_gemm2_w4a8_t64_wgmma_n256",
+                 "moe_gemm1_w4a16_swiglu_t32_wgmma", "moe_gemm1_w4a8_relu2_t32_wgmma_n256", "moe_gemm2_w4a16_t32_wgmma",
+                 "moe_gemm2_w4a8_t32_wgmma_n256"):
         listing = kernel_sass.sass(str(built_kernels / f"{name}.o"))
         counts = kernel_sass.opcode_counts(listing)
         assert counts["HGMMA"] >= 4 and re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", listing), name  # A from registers
         assert kernel_sass.mainloop_local_ops(listing) == 0, name
         assert kernel_sass.serialized_wgmmas(listing) == 0, name
-        assert kernel_sass.wgmma_widths(listing) == [128], name  # m64n128k16: one 128-token block per wgmma
-    for tokens in (32, 64):  # the narrow tiles: one m64n32 / m64n64 block
-        for name in (f"moe_gemm1_w4a16_swiglu_t{tokens}_wgmma", f"moe_gemm1_w4a8_relu2_t{tokens}_wgmma_n256",
-                     f"moe_gemm2_w4a16_t{tokens}_wgmma", f"moe_gemm2_w4a8_t{tokens}_wgmma_n256"):
-            listing = kernel_sass.sass(str(built_kernels / f"{name}.o"))
-            assert kernel_sass.mainloop_local_ops(listing) == 0, name
-            assert kernel_sass.serialized_wgmmas(listing) == 0, name
-            assert kernel_sass.wgmma_widths(listing) == [tokens], name
+        assert kernel_sass.wgmma_widths(listing) == widths[re.search(r"t\d+_wgmma.*", name).group(0)], name
 
 
 def test_wgmma_gemms_split_the_register_file_between_their_roles(built_kernels, kernel_sass):

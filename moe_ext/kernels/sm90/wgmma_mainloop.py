@@ -6,7 +6,9 @@ CTA tile: 128 weight rows (the wgmma M side, two consumer warpgroups of 64) x 32
 (one routing tile of one local expert, in blocks of up to 128: one wgmma N each) x all of K in stages of 64,
 `stages` deep. A 256-row tile decodes each weight stage once for both blocks (twice the MMA per decode
 instruction); 32- and 64-row tiles cut the MMA of a 128-row one where experts have fewer rows (no padding token
-rows multiplied for nothing), for the same decode.
+rows multiplied for nothing), for the same decode. Within a 64- or 128-row tile (128 weight rows), an item whose
+tile holds at most 32 or 64 live rows (an expert's last tile) runs m64n32 / m64n64 wgmmas on its first rows
+(WgmmaConfig.widths: one copy of the consumer loop a width), where the MMA, not the decode, is what a stage costs.
 Persistent: `ctas` CTAs (one per SM) loop over the work items (routing tile, column tile); each role carries its
 ring states from one item to the next, so the copier fills the next item's stages while the consumers run this
 item's epilogue out of their own s_c.
@@ -161,6 +163,18 @@ class WgmmaConfig:
         return min(self.bm, TOKEN_BLOCK)
 
     @property
+    def widths(self) -> tuple:
+        """wgmma N widths an item may run, narrowest first: a one-block tile whose padding is zeros (zero_padding)
+        runs the narrowest width that holds its live rows (32, 64 or the whole block), so the padding of an
+        expert's last tile is not multiplied (and its rows past the width are not copied). DeepSeek-V3 at T=4096
+        puts ~128 rows on each expert: about half of the experts leave a second 128-row tile with 1-32 rows. Not on
+        256-row weight tiles: with their two accumulators in three copies of the mainloop ptxas serialises every
+        wgmma (a full wait after each)."""
+        if self.blocks > 1 or self.halves > 1 or not self.zero_padding:
+            return (self.token_block,)
+        return tuple(w for w in (32, 64) if w < self.token_block) + (self.token_block,)
+
+    @property
     def blocks(self) -> int:
         """Token blocks of token_block rows in the routing tile."""
         return self.bm // self.token_block
@@ -226,11 +240,19 @@ def config_for_tile(tile: int, sf_block: int, weight_rows: int = 128) -> WgmmaCo
     return WgmmaConfig(bn=weight_rows, sf_block=sf_block, zero_padding=True)
 
 
-def make_tiled_mma(cfg: WgmmaConfig):
+def make_tiled_mma(width: int):
     """bf16 x bf16 -> fp32, swap-AB: A = weight rows from registers (M, two consumer warpgroups of 64 stacked),
-    B = token rows from shared memory (N = bm), both K-major. Call inside a jit."""
+    B = the first `width` token rows of a block from shared memory (N), both K-major. Call inside a jit."""
     return sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                             (2, 1, 1), tiler_mn=(64, cfg.token_block), a_source=OperandSource.RMEM)
+                                             (2, 1, 1), tiler_mn=(64, width), a_source=OperandSource.RMEM)
+
+
+def item_width(cfg: WgmmaConfig, live_rows):
+    """The wgmma N width of an item whose routing tile holds `live_rows` rows (cfg.widths): a runtime Int32."""
+    width = Int32(cfg.widths[-1])
+    for w in reversed(cfg.widths[:-1]):
+        width = Int32(cutlass.select_(live_rows <= w, Int32(w), width))
+    return width
 
 
 def token_layout(cfg: WgmmaConfig):
@@ -333,9 +355,10 @@ def token_copy_partition(cfg: WgmmaConfig, tokens, tid):
     return cp_atom, g2s.partition_D(tokens), g2s.partition_D(cute.make_identity_tensor((cfg.token_block, cfg.bk)))
 
 
-def token_sources(tAcA, a_base: Int64, a_row_offset, live_rows=None):
+def token_sources(tAcA, a_base: Int64, a_row_offset, live_rows=None, width=None):
     """Global address of each of this thread's token chunks at K = 0 (64-bit: T * H can pass 2^31), and with
-    `live_rows` the bytes each copies: 16, or 0 (cp.async fills zeros) for a row at or past it (zero_padding)."""
+    `live_rows` the bytes each copies: 16, 0 (cp.async fills zeros) for a row at or past it (zero_padding), or -1
+    (no copy) for a row at or past the item's wgmma `width`, which its wgmmas never read."""
     chunks = cute.size(tAcA, mode=[1])
     a_src = cute.make_rmem_tensor((chunks,), Int64)
     a_bytes = None if live_rows is None else cute.make_rmem_tensor((chunks,), Int32)
@@ -343,13 +366,14 @@ def token_sources(tAcA, a_base: Int64, a_row_offset, live_rows=None):
         m, k = tAcA[(0, i, 0)]
         a_src[i] = a_base + a_row_offset(m) + Int64(k) * Int64(2)
         if live_rows is not None:
-            a_bytes[i] = Int32(cutlass.select_(m < live_rows, Int32(16), Int32(0)))
+            a_bytes[i] = Int32(cutlass.select_(m < live_rows, Int32(16), Int32(cutlass.select_(m < width, Int32(0),
+                                                                                                  Int32(-1)))))
     return a_src, a_bytes
 
 
 def issue_token_stage(cfg: WgmmaConfig, cp_atom, tAsA, sources, kt, stage):
     """cp.async 16 bytes of each of this thread's token chunks of K stage kt into the token tile's `stage`
-    (token_sources: with zero_padding, zeros for padding rows)."""
+    (token_sources: with zero_padding, zeros for padding rows, nothing past the item's width)."""
     a_src, a_bytes = sources
     k_bytes = Int64(kt) * Int64(cfg.bk * 2)
     for i in range(cute.size(tAsA, mode=[1])):
@@ -474,8 +498,9 @@ def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_sc
         else:
             cp_atom, tAsA, tAcA = token_copy_partition(cfg, tokens[b], tid)
             live_rows = token_limit - first_token_row - b * cfg.token_block if cfg.zero_padding else None
+            width = item_width(cfg, live_rows) if cfg.zero_padding else None
             blocks.append((cp_atom, tAsA, token_sources(tAcA, a_base, lambda m: a_row_offset(m + b * cfg.token_block),
-                                                        live_rows)))
+                                                        live_rows, width)))
     ring = cute.make_tensor(cute.make_ptr(cutlass.Uint8, raw_codes, cute.AddressSpace.smem, assumed_align=1024),
                             cute.make_layout((1, cfg.bn, cfg.bk // 2, cfg.stages),
                                              stride=(0, cfg.bk // 2, 1, cfg.bn * cfg.bk // 2)))
@@ -542,21 +567,24 @@ def mma_stage(cfg: cutlass.Constexpr, copied, tiled_mma: cute.TiledMma, accs, tC
 
 @cute.jit
 def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_scales: Int32, lut: Int32,
-            tiled_mma: cute.TiledMma, wg, ctid, k_extent, read, release, finish: cutlass.Constexpr):
-    """acc (64 weight rows per warpgroup x token_block tokens, one per weight half and token block) = A . tokens^T
+            width: cutlass.Constexpr, wg, ctid, k_extent, read, release, finish: cutlass.Constexpr):
+    """acc (64 weight rows per warpgroup x `width` tokens, one per weight half and token block) = A . tokens^T
     over all K stages of one work item, A decoded from each stage's raw slot straight into the wgmma's register
     operand. Two register buffers a half alternate by stage: a stage decodes into one while the previous stage's
     wgmmas, reading the other, are still in flight (an in-flight wgmma's A registers must not be written). Then,
     half by half and block by block, the accumulator is staged transposed into s_c [token][weight row],
     synchronised across both consumer warpgroups, and `finish(h, b)` runs the epilogue of weight half h and token
     block b. Returns the ring states advanced."""
+    tiled_mma = make_tiled_mma(width)
     thr_wg = tiled_mma.get_slice((wg - FIRST_CONSUMER) * WARPGROUP)
+    if cutlass.const_expr(width < cfg.token_block):  # the block's first `width` rows of every stage
+        tokens = [cute.local_tile(t, (width, cfg.bk, cfg.stages), (0, 0, 0)) for t in tokens]
     tCrBs = [tiled_mma.make_fragment_B(thr_wg.partition_B(t)) for t in tokens]  # smem descriptors (MMA, N, K, stages)
     # registers, 2 buffers a half
     tCrAs = [tiled_mma.make_fragment_A(thr_wg.partition_shape_A((WEIGHT_HALF, 2 * cfg.bk))) for _ in
              range(cfg.halves)]
     a_words = [cute.recast_tensor(t, Int32) for t in tCrAs]
-    tCcC = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((WEIGHT_HALF, cfg.token_block)))
+    tCcC = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((WEIGHT_HALF, width)))
     accs = [[cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(cfg.blocks)] for _ in range(cfg.halves)]
     for half_accs in accs:
         for acc in half_accs:
@@ -602,9 +630,9 @@ def epilogue_thread(ctid):
 # The persistent kernel body
 # ----------------------------------------------------------------------------------------------------------------
 @cute.jit
-def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cute.TiledMma,
-              tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, a_base: Int64,
-              a_row_offset: cutlass.Constexpr, tma_atom, tma_w, w_sf, rows_per_expert, k_extent,
+def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tile_to_expert: cute.Tensor,
+              tile_to_mn_limit: cute.Tensor, a_base: Int64, a_row_offset: cutlass.Constexpr, tma_atom, tma_w, w_sf,
+              rows_per_expert, k_extent,
               epilogue: cutlass.Constexpr, token_tma=None, pad_epilogue: cutlass.Constexpr = None):
     """Every role of a wgmma GEMM over its work items (`live` routing tiles x rows_per_expert / bn column tiles):
     the copier gathers token row m of an item from `a_row_offset(item, m)` bytes past `a_base` (with
@@ -649,5 +677,24 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
                     if row >= item.limit and r < cfg.token_block:
                         pad_epilogue(item, n_tile, half, row)
 
-            read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, tiled_mma, wg, ctid,
-                                    k_extent, read, release, finish)
+            # the item's wgmma width (cfg.widths; item_width, which the copier applies too), one consume each
+            widths = cfg.widths
+            if cutlass.const_expr(len(widths) == 1):
+                read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, widths[0], wg, ctid,
+                                        k_extent, read, release, finish)
+            else:
+                live_rows = item.limit - item.row0
+                if live_rows <= widths[0]:
+                    read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, widths[0], wg,
+                                            ctid, k_extent, read, release, finish)
+                else:
+                    if cutlass.const_expr(len(widths) == 3):
+                        if live_rows <= widths[1]:
+                            read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, widths[1],
+                                                    wg, ctid, k_extent, read, release, finish)
+                        else:
+                            read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, widths[2],
+                                                    wg, ctid, k_extent, read, release, finish)
+                    else:
+                        read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, widths[1], wg,
+                                                ctid, k_extent, read, release, finish)
