@@ -8,7 +8,8 @@
 #   grid:      the full issue-3 correctness grid (13,200 cases), shards $GRID_SHARD ("K/N ...", default 0/1),
 #              500 s each; $GRID_ARGS (e.g. "--tokens 515") narrows every shard
 #   ab_wgmma:  install, profile (each tactic of $AB_TACTICS at $AB_POINTS, default as prefill) and check
-#              (wgmma-heavy kernel tests) each directory of $AB_DIRS, then reinstall $MOE_EXT_KERNEL_DIR (unless alone)
+#              (wgmma-heavy kernel tests) each directory of $AB_DIRS, then reinstall $MOE_EXT_KERNEL_DIR (unless alone);
+#              an entry "BASE+OVERLAY" of $AB_DIRS (both parts) is BASE with the objects of folder OVERLAY over it
 #   ab_bench:  whole forwards (graph replays, w4a16, fused) of each directory of $AB_DIRS at $AB_SHAPES x $AB_TOKENS
 #              with $AB_BENCH_TACTIC (default: the heuristic's, untuned), in interleaved rounds ($AB_ROUNDS), and
 #              each point's energy per forward over $AB_ENERGY_SECONDS (default 0.5 s) of replays (NVML's counter);
@@ -47,6 +48,7 @@ mkdir -p "$OUT"
 # The device returns only a few files: logs go to $LOG and travel packed in $OUT/logs.tgz (repacked after each
 # step, so a run cut short still brings back what it finished); $OUT holds that, summary.txt and the JSON records.
 LOG=$(mktemp -d)
+MERGED=$(mktemp -d)  # kernel_dir's merged A/B directories
 pack() {  # atomic, so a call cut short mid-pack still brings back the last whole archive
   cp "$OUT/summary.txt" "$LOG/" 2>/dev/null
   tar czf "$LOG.$BASHPID.tgz" -C "$LOG" . 2>/dev/null; mv -f "$LOG.$BASHPID.tgz" "$OUT/logs.tgz"
@@ -90,6 +92,16 @@ tests_step() {  # tests_step NAME TIMEOUT PYTEST-ARGS...: a pytest step, its fai
   local name=$1 limit=$2; shift 2
   step "$name" "$limit" python3 -m pytest -q -p no:cacheprovider "$@"
   grep -E "^(FAILED|ERROR)" "$LOG/$name.log" | head -20 | tee -a "$OUT/summary.txt"
+}
+kernel_dir() {  # kernel_dir D: the kernel directory D names; "BASE+OVERLAY" is a copy of BASE with OVERLAY's files
+  # over it (an A/B variant that carries only the objects it changes)
+  if [[ $1 == *+* ]]; then
+    local merged="$MERGED/${1//[+.\/]/_}"  # not under $LOG: pack() archives that
+    [ -d "$merged" ] || { cp -r "$PWD/${1%%+*}" "$merged" && cp "$PWD/${1#*+}"/* "$merged/"; }
+    echo "$merged"
+  else
+    echo "$PWD/$1"
+  fi
 }
 bench_summary() {  # bench_summary JSON LABEL: one summary line of a bench record's points (and energy, if timed)
   python3 -c "import json, sys; print(sys.argv[2] + ':', ' '.join(f\"{r['shape']}:{r['T']} {r['us']:.1f}\"
@@ -170,18 +182,20 @@ elif [ "$PART" = prefill ]; then  # per-kernel times where the wgmma GEMMs run (
 elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, wgmma variants); install + profile each
   # at $AB_POINTS (default: the five shapes at T=4096) with each tactic of $AB_TACTICS ("default" or "tile,s1,s2")
   for d in ${AB_DIRS:-.kernels .kernels_dec2 .kernels_dec2lean}; do
-    MOE_EXT_KERNEL_DIR=$PWD/$d MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_${d#.}.log" 2>&1
+    dir=$(kernel_dir "$d"); tag=${d//[+\/]/_}; tag=${tag//./}
+    MOE_EXT_KERNEL_DIR=$dir MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_$tag.log" 2>&1
     echo "install $d rc=$?" | tee -a "$OUT/summary.txt"
-    profile_tactics "prefill_${d#.}_" "$d "
-    [ "$PWD/$d" = "$MOE_EXT_KERNEL_DIR" ] || [ "${AB_CHECK:-1}" = 0 ] || tests_step "check_${d#.}" 150 \
+    profile_tactics "prefill_${tag}_" "$d "
+    [ "$dir" = "$MOE_EXT_KERNEL_DIR" ] || [ "${AB_CHECK:-1}" = 0 ] || tests_step "check_$tag" 150 \
       tests/test_hopper_kernels.py -k "large_token_count or (shapes_and and 7168 and w4a16) or part_filled"
   done
   [ "$PARTS" = ab_wgmma ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
 elif [ "$PART" = ab_bench ]; then  # what per-kernel sums miss: gaps between kernels, overlap under PDL
   for round in $(seq "${AB_ROUNDS:-2}"); do
     for d in ${AB_DIRS:-.kernels}; do
-      MOE_EXT_KERNEL_DIR=$PWD/$d MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_${d#.}.log" 2>&1
-      name="ab_bench_${d#.}_$round"
+      dir=$(kernel_dir "$d"); tag=${d//[+\/]/_}; tag=${tag//./}
+      MOE_EXT_KERNEL_DIR=$dir MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_$tag.log" 2>&1
+      name="ab_bench_${tag}_$round"
       step "$name" "${AB_STEP_SECONDS:-200}" python3 -m moe_ext.bench --shapes "${AB_SHAPES:-qwen3-30b-a3b,deepseek-v3-ep8}" \
         --tokens "${AB_TOKENS:-1,8,64}" --modes w4a16 --finalize fused --impls moe_ext \
         --tactic "${AB_BENCH_TACTIC:-default}" --iters 50 --max-seconds-per-point 1.0 \
