@@ -130,8 +130,10 @@ def test_part_filled_routing_tiles_at_their_edges(mode):
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a8"])
 def test_wgmma_items_run_the_narrowest_width_that_holds_their_rows(mode):
-    """On 64- and 128-token tiles of 128 weight rows an item whose tile holds <= 32 or <= 64 live rows runs
-    m64n32 / m64n64 wgmmas (WgmmaConfig.widths), and its copier skips the token rows past that width. Experts of
+    """Built with narrow widths (wgmma_mainloop.NARROW_WIDTHS; benchmarks/wgmma_narrow_variant.py), on 64- and
+    128-token tiles of 128 weight rows an item whose tile holds <= 32 or <= 64 live rows runs m64n32 / m64n64
+    wgmmas (WgmmaConfig.widths), and its copier skips the token rows past that width (without them, every item
+    runs the whole tile: the same checks hold). Experts of
     Qwen3-30B-A3B's K (2048 / 768: longer than the rings) whose last tile holds each width's edge rows (1, 32,
     33, 64, 65, 128 and past one tile: 129, 160, 161, 192, 193), both wgmma tiles, both finalize modes, against
     the reference."""

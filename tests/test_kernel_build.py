@@ -304,27 +304,48 @@ def kernel_sass():
     return module
 
 
+def check_wgmma_sass(kernel_sass, listing: str, name: str, widths: list) -> None:
+    """Register A wgmmas, no local-memory traffic in the mainloop (a spill there would sit in the decode of every
+    stage), no wgmma that waits for the one before it, and these wgmma N widths."""
+    counts = kernel_sass.opcode_counts(listing)
+    assert counts["HGMMA"] >= 4 and re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", listing), name  # A from registers
+    assert kernel_sass.mainloop_local_ops(listing) == 0, name
+    assert kernel_sass.serialized_wgmmas(listing) == 0, name
+    assert kernel_sass.wgmma_widths(listing) == widths, name
+
+
 def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernels, kernel_sass):
-    """The persistent wgmma GEMMs' SASS (read by scripts/kernel_sass.py from the exported objects) has register A
-    wgmmas, no local-memory traffic in the mainloop (a spill there would sit in the decode of every stage) and no
-    wgmma that waits for the one before it. Their wgmma N widths: a 128-token block (m64n128k16), or on 64- and
-    128-token tiles of 128 weight rows also every narrower width of 32 and 64 (WgmmaConfig.widths: an item runs
-    the narrowest that holds its live rows); one 32-token block."""
-    widths = {"t128_wgmma": [32, 64, 128], "t64_wgmma": [32, 64], "t32_wgmma": [32], "t256_wgmma": [128],
-              "t128_wgmma_n256": [128], "t64_wgmma_n256": [64], "t32_wgmma_n256": [32]}
+    """The persistent wgmma GEMMs' SASS (read by scripts/kernel_sass.py from the exported objects): one wgmma N
+    width a routing tile, a 128-token block (m64n128k16) or the whole of a 32- or 64-token one."""
     for name in ("moe_gemm1_w4a16_swiglu_t128_wgmma", "moe_gemm2_w4a16_t128_wgmma", "moe_gemm2_w4a8_t128_wgmma",
                  "moe_gemm1_w4a16_swiglu_t256_wgmma", "moe_gemm2_w4a16_t256_wgmma", "moe_gemm1_w4a8_relu2_t256_wgmma",
                  "moe_gemm1_w4a16_swiglu_t128_wgmma_n256", "moe_gemm2_w4a16_t128_wgmma_n256",
-                 "moe_gemm1_w4a8_relu2_t128_wgmma_n256", "moe_gemm1_w4a16_swiglu_t64_wgmma",
-                 "moe_gemm1_w4a8_relu2_t64_wgmma_n256", "moe_gemm2_w4a16_t64_wgmma", "moe_gemm2_w4a8_t64_wgmma_n256",
-                 "moe_gemm1_w4a16_swiglu_t32_wgmma", "moe_gemm1_w4a8_relu2_t32_wgmma_n256", "moe_gemm2_w4a16_t32_wgmma",
-                 "moe_gemm2_w4a8_t32_wgmma_n256"):
-        listing = kernel_sass.sass(str(built_kernels / f"{name}.o"))
-        counts = kernel_sass.opcode_counts(listing)
-        assert counts["HGMMA"] >= 4 and re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", listing), name  # A from registers
-        assert kernel_sass.mainloop_local_ops(listing) == 0, name
-        assert kernel_sass.serialized_wgmmas(listing) == 0, name
-        assert kernel_sass.wgmma_widths(listing) == widths[re.search(r"t\d+_wgmma.*", name).group(0)], name
+                 "moe_gemm1_w4a8_relu2_t128_wgmma_n256"):
+        check_wgmma_sass(kernel_sass, kernel_sass.sass(str(built_kernels / f"{name}.o")), name, [128])
+    for tokens in (32, 64):  # the narrow tiles: one m64n32 / m64n64 block
+        for name in (f"moe_gemm1_w4a16_swiglu_t{tokens}_wgmma", f"moe_gemm1_w4a8_relu2_t{tokens}_wgmma_n256",
+                     f"moe_gemm2_w4a16_t{tokens}_wgmma", f"moe_gemm2_w4a8_t{tokens}_wgmma_n256"):
+            check_wgmma_sass(kernel_sass, kernel_sass.sass(str(built_kernels / f"{name}.o")), name, [tokens])
+
+
+@pytest.mark.parametrize("name,widths", [("moe_gemm1_w4a16_swiglu_t128_wgmma", [32, 64, 128]),
+                                         ("moe_gemm2_w4a8_t128_wgmma", [32, 64, 128]),
+                                         ("moe_gemm2_w4a16_t64_wgmma", [32, 64]),
+                                         ("moe_gemm1_w4a16_swiglu_t128_wgmma_n256", [128])])
+def test_narrow_wgmma_widths_build_clean(name, widths, kernel_sass, tmp_path, monkeypatch):
+    """With wgmma_mainloop.NARROW_WIDTHS (benchmarks/wgmma_narrow_variant.py's A/B build) an item of a 64- or
+    128-token tile of 128 weight rows runs the narrowest of m64n32 / m64n64 / the whole block that holds its live
+    rows: each width a copy of the consumer loop, none spilling or serialising its wgmmas (with 256 weight rows
+    ptxas serialised all of them: those keep one width)."""
+    from moe_ext.kernels.sm90 import build
+    from moe_ext.kernels.sm90 import wgmma_mainloop as mainloop
+
+    monkeypatch.setattr(mainloop, "NARROW_WIDTHS", True)
+    monkeypatch.setenv("CUTE_DSL_ARCH", build.ARCH)
+    build._load_dsl_runtime()
+    dict(build.specialisations())[name](f"--gpu-arch {build.ARCH}").export_to_c(
+        file_path=str(tmp_path), file_name=name, function_prefix=name)
+    check_wgmma_sass(kernel_sass, kernel_sass.sass(str(tmp_path / f"{name}.o")), name, widths)
 
 
 def test_wgmma_gemms_split_the_register_file_between_their_roles(built_kernels, kernel_sass):

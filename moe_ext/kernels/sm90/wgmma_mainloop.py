@@ -75,6 +75,10 @@ MAX_SHARED_BYTES = SM_SHARED_BYTES - 1024  # opt-in dynamic shared memory of a H
 TILES = (32, 64, 128, 256)  # the routing tiles the wgmma GEMMs are built for
 # (routing tile, weight rows) of every wgmma GEMM built: at most two accumulators (blocks x halves) fit the registers
 SHAPES = ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128), (256, 128), (128, 256))
+# Narrow wgmma widths for part-filled tiles (WgmmaConfig.widths). Off in the shipped objects until they have run on
+# the H200 (built and SASS-checked without one in session 34); benchmarks/wgmma_narrow_variant.py builds the wgmma
+# GEMMs with them on, as an A/B overlay of a complete build.
+NARROW_WIDTHS = False
 
 
 # K order of the wgmma GEMMs' bf16 operands. The order of K inside an MMA is free as long as both operands agree,
@@ -170,7 +174,7 @@ class WgmmaConfig:
         puts ~128 rows on each expert: about half of the experts leave a second 128-row tile with 1-32 rows. Not on
         256-row weight tiles: with their two accumulators in three copies of the mainloop ptxas serialises every
         wgmma (a full wait after each)."""
-        if self.blocks > 1 or self.halves > 1 or not self.zero_padding:
+        if not NARROW_WIDTHS or self.blocks > 1 or self.halves > 1 or not self.zero_padding:
             return (self.token_block,)
         return tuple(w for w in (32, 64) if w < self.token_block) + (self.token_block,)
 
@@ -365,9 +369,11 @@ def token_sources(tAcA, a_base: Int64, a_row_offset, live_rows=None, width=None)
     for i in range(chunks):
         m, k = tAcA[(0, i, 0)]
         a_src[i] = a_base + a_row_offset(m) + Int64(k) * Int64(2)
-        if live_rows is not None:
+        if live_rows is not None and width is not None:
             a_bytes[i] = Int32(cutlass.select_(m < live_rows, Int32(16), Int32(cutlass.select_(m < width, Int32(0),
                                                                                                   Int32(-1)))))
+        elif live_rows is not None:
+            a_bytes[i] = Int32(cutlass.select_(m < live_rows, Int32(16), Int32(0)))
     return a_src, a_bytes
 
 
@@ -381,7 +387,7 @@ def issue_token_stage(cfg: WgmmaConfig, cp_atom, tAsA, sources, kt, stage):
             # cute.copy has no zero fill. toint() of a pointer with the token layout's 128-byte swizzle (S<3,4,3>
             # on byte addresses) is the unswizzled address; its loads and stores xor bits 7-9 into bits 4-6.
             addr = tAsA[(None, i, 0, stage)].iterator.toint()
-            ptx.cp_async_16(addr ^ ((addr >> 3) & 0x70), a_src[i] + k_bytes, a_bytes[i])
+            ptx.cp_async_16(addr ^ ((addr >> 3) & 0x70), a_src[i] + k_bytes, a_bytes[i], len(cfg.widths) > 1)
         else:
             src = cute.make_tensor(cute.make_ptr(BFloat16, a_src[i] + k_bytes, cute.AddressSpace.gmem,
                                                  assumed_align=16), cute.make_layout(((8, 1),)))
@@ -498,7 +504,7 @@ def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_sc
         else:
             cp_atom, tAsA, tAcA = token_copy_partition(cfg, tokens[b], tid)
             live_rows = token_limit - first_token_row - b * cfg.token_block if cfg.zero_padding else None
-            width = item_width(cfg, live_rows) if cfg.zero_padding else None
+            width = item_width(cfg, live_rows) if cfg.zero_padding and len(cfg.widths) > 1 else None
             blocks.append((cp_atom, tAsA, token_sources(tAcA, a_base, lambda m: a_row_offset(m + b * cfg.token_block),
                                                         live_rows, width)))
     ring = cute.make_tensor(cute.make_ptr(cutlass.Uint8, raw_codes, cute.AddressSpace.smem, assumed_align=1024),
