@@ -331,12 +331,13 @@ def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernel
 @pytest.mark.parametrize("name,widths", [("moe_gemm1_w4a16_swiglu_t128_wgmma", [32, 64, 128]),
                                          ("moe_gemm2_w4a8_t128_wgmma", [32, 64, 128]),
                                          ("moe_gemm2_w4a16_t64_wgmma", [32, 64]),
+                                         ("moe_gemm1_w4a16_swiglu_t64_wgmma_n256", [32, 64]),
                                          ("moe_gemm1_w4a16_swiglu_t128_wgmma_n256", [128])])
 def test_narrow_wgmma_widths_build_clean(name, widths, kernel_sass, tmp_path, monkeypatch):
     """With wgmma_mainloop.NARROW_WIDTHS (benchmarks/wgmma_narrow_variant.py's A/B build) an item of a 64- or
-    128-token tile of 128 weight rows runs the narrowest of m64n32 / m64n64 / the whole block that holds its live
-    rows: each width a copy of the consumer loop, none spilling or serialising its wgmmas (with 256 weight rows
-    ptxas serialised all of them: those keep one width)."""
+    128-token tile runs the narrowest of m64n32 / m64n64 / the whole block that holds its live
+    rows: each width a copy of the consumer loop, none spilling or serialising its wgmmas (128-token tiles of 256
+    weight rows keep one width: a second copy of their loop had ptxas serialise every wgmma)."""
     from moe_ext.kernels.sm90 import build
     from moe_ext.kernels.sm90 import wgmma_mainloop as mainloop
 

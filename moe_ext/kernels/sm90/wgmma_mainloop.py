@@ -171,10 +171,10 @@ class WgmmaConfig:
         """wgmma N widths an item may run, narrowest first: a one-block tile whose padding is zeros (zero_padding)
         runs the narrowest width that holds its live rows (32, 64 or the whole block), so the padding of an
         expert's last tile is not multiplied (and its rows past the width are not copied). DeepSeek-V3 at T=4096
-        puts ~128 rows on each expert: about half of the experts leave a second 128-row tile with 1-32 rows. Not on
-        256-row weight tiles: with their two accumulators in three copies of the mainloop ptxas serialises every
-        wgmma (a full wait after each)."""
-        if not NARROW_WIDTHS or self.blocks > 1 or self.halves > 1 or not self.zero_padding:
+        puts ~128 rows on each expert: about half of the experts leave a second 128-row tile with 1-32 rows. Not
+        where a thread holds two 64 x 128 accumulators (128-token tiles of 256 weight rows): with a second copy of
+        the loop ptxas serialises every wgmma there ("insufficient register resources")."""
+        if not NARROW_WIDTHS or self.blocks > 1 or self.halves * self.token_block > 128 or not self.zero_padding:
             return (self.token_block,)
         return tuple(w for w in (32, 64) if w < self.token_block) + (self.token_block,)
 
@@ -685,22 +685,18 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tile_to_exper
 
             # the item's wgmma width (cfg.widths; item_width, which the copier applies too), one consume each
             widths = cfg.widths
+            shared = (cfg, copied, tokens, s_c, raw_codes, raw_scales, lut)
             if cutlass.const_expr(len(widths) == 1):
-                read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, widths[0], wg, ctid,
-                                        k_extent, read, release, finish)
+                read, release = consume(*shared, widths[0], wg, ctid, k_extent, read, release, finish)
             else:
                 live_rows = item.limit - item.row0
                 if live_rows <= widths[0]:
-                    read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, widths[0], wg,
-                                            ctid, k_extent, read, release, finish)
+                    read, release = consume(*shared, widths[0], wg, ctid, k_extent, read, release, finish)
                 else:
                     if cutlass.const_expr(len(widths) == 3):
                         if live_rows <= widths[1]:
-                            read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, widths[1],
-                                                    wg, ctid, k_extent, read, release, finish)
+                            read, release = consume(*shared, widths[1], wg, ctid, k_extent, read, release, finish)
                         else:
-                            read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, widths[2],
-                                                    wg, ctid, k_extent, read, release, finish)
+                            read, release = consume(*shared, widths[2], wg, ctid, k_extent, read, release, finish)
                     else:
-                        read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, widths[1], wg,
-                                                ctid, k_extent, read, release, finish)
+                        read, release = consume(*shared, widths[1], wg, ctid, k_extent, read, release, finish)
