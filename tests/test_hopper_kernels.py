@@ -132,11 +132,12 @@ def test_part_filled_routing_tiles_at_their_edges(mode):
 def test_wgmma_items_run_the_narrowest_width_that_holds_their_rows(mode):
     """Built with narrow widths (wgmma_mainloop.NARROW_WIDTHS; benchmarks/wgmma_narrow_variant.py), on 64- and
     128-token tiles of 128 weight rows an item whose tile holds <= 32 or <= 64 live rows runs m64n32 / m64n64
-    wgmmas (WgmmaConfig.widths), and its copier skips the token rows past that width (without them, every item
-    runs the whole tile: the same checks hold). Experts of
+    wgmmas (WgmmaConfig.widths), and its copier skips the token rows past that width; a 128-token tile of 256
+    weight rows runs as two 64-row blocks and skips the second's wgmmas where an item's rows fit the first
+    (skips_blocks). Without them every item runs the whole tile: the same checks hold. Experts of
     Qwen3-30B-A3B's K (2048 / 768: longer than the rings) whose last tile holds each width's edge rows (1, 32,
-    33, 64, 65, 128 and past one tile: 129, 160, 161, 192, 193), both wgmma tiles, both finalize modes, against
-    the reference."""
+    33, 64, 65, 128 and past one tile: 129, 160, 161, 192, 193), both wgmma tiles with 128 and 256 weight rows,
+    both finalize modes, against the reference."""
     rows = [1, 32, 33, 64, 65, 128, 129, 160, 161, 192, 193]
     tokens = sum(rows)
     case = make_case(mode, "swiglu", num_tokens=tokens, top_k=1, num_experts=len(rows), hidden=2048, inter=768,
@@ -148,7 +149,7 @@ def test_wgmma_items_run_the_narrowest_width_that_holds_their_rows(mode):
         kw = case.kwargs(use_fused_finalize=fused)
         problem = build_problem(**kw)
         expected, gate = reference_and_gate(problem, TOLERANCE[case.mode])
-        for tactic in ((launcher.WGMMA_TILE, W, W), (64, W, W)):
+        for tactic in ((launcher.WGMMA_TILE, W, W), (64, W, W), (launcher.WGMMA_TILE, WW, WW), (64, WW, WW)):
             assert tactic in HOPPER.tactics(problem), tactic
             out = moe_ext.cute_dsl_fused_moe(**kw, moe_output=torch.full_like(expected, float("nan")), tactic=tactic)
             assert torch.isfinite(out).all(), tactic

@@ -256,6 +256,26 @@ def test_wgmma_configs_fit_the_register_file_and_shared_memory(tile, sf_block):
     assert 150 * 1024 < cfg.shared_bytes <= wgmma_mainloop.MAX_SHARED_BYTES
 
 
+@pytest.mark.parametrize("sf_block", [16, 32])
+def test_narrow_widths_split_a_128_token_tile_of_256_weight_rows_into_two_blocks(sf_block, monkeypatch):
+    """With NARROW_WIDTHS the 128-token tile of 256 weight rows is two 64-row token blocks (four 64 x 64
+    accumulators: the registers of two 64 x 128 ones) sharing one 128-row s_c pass, in the same shared memory; the
+    128-weight-row tiles keep one block and take narrower widths instead."""
+    from moe_ext.kernels.sm90 import wgmma_mainloop
+
+    monkeypatch.setattr(wgmma_mainloop, "NARROW_WIDTHS", True)
+    split = wgmma_mainloop.config_for_tile(128, sf_block, 256)
+    split.check()
+    assert (split.token_block, split.blocks, split.sc_rows, split.skips_blocks) == (64, 2, 128, True)
+    assert split.widths == (64,)
+    monkeypatch.setattr(wgmma_mainloop, "NARROW_WIDTHS", False)
+    assert split.shared_bytes == wgmma_mainloop.config_for_tile(128, sf_block, 256).shared_bytes
+    monkeypatch.setattr(wgmma_mainloop, "NARROW_WIDTHS", True)
+    one = wgmma_mainloop.config_for_tile(128, sf_block)
+    assert (one.blocks, one.skips_blocks, one.widths) == (1, False, (32, 64, 128))
+    assert wgmma_mainloop.config_for_tile(256, sf_block).skips_blocks is False  # one weight half: see skips_blocks
+
+
 def test_wgmma_config_rejects_setmaxnreg_past_the_launch_allocation():
     """setmaxnreg only moves registers inside what the CTA got at launch (168 a thread of 384 at one CTA an SM):
     40 + 2 x 236 fits the 64K register file but not that, and its consumers' increase would wait forever."""
@@ -332,12 +352,15 @@ def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernel
                                          ("moe_gemm2_w4a8_t128_wgmma", [32, 64, 128]),
                                          ("moe_gemm2_w4a16_t64_wgmma", [32, 64]),
                                          ("moe_gemm1_w4a16_swiglu_t64_wgmma_n256", [32, 64]),
-                                         ("moe_gemm1_w4a16_swiglu_t128_wgmma_n256", [128])])
+                                         ("moe_gemm1_w4a16_swiglu_t128_wgmma_n256", [8, 64]),
+                                         ("moe_gemm2_w4a8_t128_wgmma_n256", [8, 64])])
 def test_narrow_wgmma_widths_build_clean(name, widths, kernel_sass, tmp_path, monkeypatch):
     """With wgmma_mainloop.NARROW_WIDTHS (benchmarks/wgmma_narrow_variant.py's A/B build) an item of a 64- or
     128-token tile runs the narrowest of m64n32 / m64n64 / the whole block that holds its live
-    rows: each width a copy of the consumer loop, none spilling or serialising its wgmmas (128-token tiles of 256
-    weight rows keep one width: a second copy of their loop had ptxas serialise every wgmma)."""
+    rows: each width a copy of the consumer loop, none spilling or serialising its wgmmas. A 128-token tile of 256
+    weight rows (where a second copy of the loop had ptxas serialise every wgmma) runs as two 64-row blocks and
+    skips the second's wgmmas where an item's rows fit the first: a branch a weight half and stage, each closed by
+    ptxas with an empty m64n8 wgmma, and the stage's wait must still leave the second half in flight."""
     from moe_ext.kernels.sm90 import build
     from moe_ext.kernels.sm90 import wgmma_mainloop as mainloop
 
@@ -346,7 +369,10 @@ def test_narrow_wgmma_widths_build_clean(name, widths, kernel_sass, tmp_path, mo
     build._load_dsl_runtime()
     dict(build.specialisations())[name](f"--gpu-arch {build.ARCH}").export_to_c(
         file_path=str(tmp_path), file_name=name, function_prefix=name)
-    check_wgmma_sass(kernel_sass, kernel_sass.sass(str(tmp_path / f"{name}.o")), name, widths)
+    listing = kernel_sass.sass(str(tmp_path / f"{name}.o"))
+    check_wgmma_sass(kernel_sass, listing, name, widths)
+    if 8 in widths:  # two commit groups a stage, the first retired: the second half's wgmmas overlap the decode
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x2" in listing, name
 
 
 def test_wgmma_gemms_split_the_register_file_between_their_roles(built_kernels, kernel_sass):
