@@ -93,10 +93,14 @@ tests_step() {  # tests_step NAME TIMEOUT PYTEST-ARGS...: a pytest step, its fai
   step "$name" "$limit" python3 -m pytest -q -p no:cacheprovider "$@"
   grep -E "^(FAILED|ERROR)" "$LOG/$name.log" | head -20 | tee -a "$OUT/summary.txt"
 }
+dir_tag() {  # dir_tag D: an AB_DIRS entry as a file-name part (".kernels+.kernels_x/y" -> "kernels_kernels_x_y")
+  local tag=${1//[+\/]/_}
+  echo "${tag//./}"
+}
 kernel_dir() {  # kernel_dir D: the kernel directory D names; "BASE+OVERLAY" is a copy of BASE with OVERLAY's files
   # over it (an A/B variant that carries only the objects it changes)
   if [[ $1 == *+* ]]; then
-    local merged="$MERGED/${1//[+.\/]/_}"  # not under $LOG: pack() archives that
+    local merged="$MERGED/$(dir_tag "$1")"  # not under $LOG: pack() archives that
     [ -d "$merged" ] || { cp -r "$PWD/${1%%+*}" "$merged" && cp "$PWD/${1#*+}"/* "$merged/"; }
     echo "$merged"
   else
@@ -182,7 +186,7 @@ elif [ "$PART" = prefill ]; then  # per-kernel times where the wgmma GEMMs run (
 elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, wgmma variants); install + profile each
   # at $AB_POINTS (default: the five shapes at T=4096) with each tactic of $AB_TACTICS ("default" or "tile,s1,s2")
   for d in ${AB_DIRS:-.kernels .kernels_dec2 .kernels_dec2lean}; do
-    dir=$(kernel_dir "$d"); tag=${d//[+\/]/_}; tag=${tag//./}
+    dir=$(kernel_dir "$d"); tag=$(dir_tag "$d")
     MOE_EXT_KERNEL_DIR=$dir MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_$tag.log" 2>&1
     echo "install $d rc=$?" | tee -a "$OUT/summary.txt"
     profile_tactics "prefill_${tag}_" "$d "
@@ -193,7 +197,7 @@ elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, 
 elif [ "$PART" = ab_bench ]; then  # what per-kernel sums miss: gaps between kernels, overlap under PDL
   for round in $(seq "${AB_ROUNDS:-2}"); do
     for d in ${AB_DIRS:-.kernels}; do
-      dir=$(kernel_dir "$d"); tag=${d//[+\/]/_}; tag=${tag//./}
+      dir=$(kernel_dir "$d"); tag=$(dir_tag "$d")
       MOE_EXT_KERNEL_DIR=$dir MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_$tag.log" 2>&1
       name="ab_bench_${tag}_$round"
       step "$name" "${AB_STEP_SECONDS:-200}" python3 -m moe_ext.bench --shapes "${AB_SHAPES:-qwen3-30b-a3b,deepseek-v3-ep8}" \

@@ -186,6 +186,12 @@ class WgmmaConfig:
         return NARROW_WIDTHS and self.blocks > 1 and self.halves > 1
 
     @property
+    def skips_copies(self) -> bool:
+        """Whether the copier leaves out the token rows an item's wgmmas never read (copied_rows): zero-padded
+        tiles with narrow widths or a skippable second block."""
+        return self.zero_padding and (len(self.widths) > 1 or self.skips_blocks)
+
+    @property
     def widths(self) -> tuple:
         """wgmma N widths an item may run, narrowest first: a one-block tile whose padding is zeros (zero_padding)
         runs the narrowest width that holds its live rows (32, 64 or the whole block), so the padding of an
@@ -272,8 +278,13 @@ def make_tiled_mma(width: int):
                                              (2, 1, 1), tiler_mn=(64, width), a_source=OperandSource.RMEM)
 
 
-def item_width(cfg: WgmmaConfig, live_rows):
-    """The wgmma N width of an item whose routing tile holds `live_rows` rows (cfg.widths): a runtime Int32."""
+def copied_rows(cfg: WgmmaConfig, block: int, live_rows):
+    """The rows of token block `block` an item's wgmmas read, where it holds `live_rows` live rows (cfg.skips_copies;
+    a runtime Int32): with a skippable second block, all of a block or none of a second one without live rows;
+    else the item's wgmma width, the narrowest of cfg.widths that holds them."""
+    if cfg.skips_blocks:
+        return Int32(cutlass.select_(live_rows > 0, Int32(cfg.token_block), Int32(0))) if block else Int32(
+            cfg.token_block)
     width = Int32(cfg.widths[-1])
     for w in reversed(cfg.widths[:-1]):
         width = Int32(cutlass.select_(live_rows <= w, Int32(w), width))
@@ -383,7 +394,7 @@ def token_copy_partition(cfg: WgmmaConfig, tokens, tid):
 def token_sources(tAcA, a_base: Int64, a_row_offset, live_rows=None, width=None):
     """Global address of each of this thread's token chunks at K = 0 (64-bit: T * H can pass 2^31), and with
     `live_rows` the bytes each copies: 16, 0 (cp.async fills zeros) for a row at or past it (zero_padding), or -1
-    (no copy) for a row at or past the item's wgmma `width`, which its wgmmas never read."""
+    (no copy) for a row at or past `width` (copied_rows), which the item's wgmmas never read."""
     chunks = cute.size(tAcA, mode=[1])
     a_src = cute.make_rmem_tensor((chunks,), Int64)
     a_bytes = None if live_rows is None else cute.make_rmem_tensor((chunks,), Int32)
@@ -409,7 +420,7 @@ def issue_token_stage(cfg: WgmmaConfig, cp_atom, tAsA, sources, kt, stage):
             # on byte addresses) is the unswizzled address; its loads and stores xor bits 7-9 into bits 4-6.
             addr = tAsA[(None, i, 0, stage)].iterator.toint()
             ptx.cp_async_16(addr ^ ((addr >> 3) & 0x70), a_src[i] + k_bytes, a_bytes[i],
-                            len(cfg.widths) > 1 or cfg.skips_blocks)
+                            cfg.skips_copies)
         else:
             src = cute.make_tensor(cute.make_ptr(BFloat16, a_src[i] + k_bytes, cute.AddressSpace.gmem,
                                                  assumed_align=16), cute.make_layout(((8, 1),)))
@@ -526,11 +537,7 @@ def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_sc
         else:
             cp_atom, tAsA, tAcA = token_copy_partition(cfg, tokens[b], tid)
             live_rows = token_limit - first_token_row - b * cfg.token_block if cfg.zero_padding else None
-            width = None
-            if cutlass.const_expr(cfg.zero_padding and len(cfg.widths) > 1):
-                width = item_width(cfg, live_rows)
-            elif cutlass.const_expr(cfg.zero_padding and cfg.skips_blocks and b > 0):  # no copies for a dead block
-                width = Int32(cutlass.select_(live_rows > 0, Int32(cfg.token_block), Int32(0)))
+            width = copied_rows(cfg, b, live_rows) if cfg.skips_copies else None
             blocks.append((cp_atom, tAsA, token_sources(tAcA, a_base, lambda m: a_row_offset(m + b * cfg.token_block),
                                                         live_rows, width)))
     ring = cute.make_tensor(cute.make_ptr(cutlass.Uint8, raw_codes, cute.AddressSpace.smem, assumed_align=1024),
@@ -731,7 +738,7 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tile_to_exper
                     if row >= item.limit and r < cfg.sc_rows:
                         pad_epilogue(item, n_tile, half, row)
 
-            # the item's wgmma width (cfg.widths; item_width, which the copier applies too), one consume each, or
+            # the item's wgmma width (cfg.widths; copied_rows, which the copier applies too), one consume each, or
             # with cfg.skips_blocks whether its second token block has rows
             widths = cfg.widths
             live_rows = item.limit - item.row0
