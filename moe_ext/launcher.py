@@ -279,10 +279,9 @@ DECODE_TILE = 8
 DECODE_MAX_PAIRS = 64  # decode_fused.MAX_PAIRS
 DECODE_SPLITS = 8  # decode_fused.MAX_SPLITS: GEMM1 partial tiles a weight tile may leave in the workspace
 DECODE_CTAS_PER_SM = 2  # decode_fused.CONFIG.ctas_per_sm: the cooperative grid
-# Whether the untuned heuristic may pick FUSED_DECODE (default_tactic's `fused_decode`). Off until the H200 runs
-# tests/test_fused_decode.py on this build: the one measured there (session 33) had a GEMM2 staging that read
-# only the first of GEMM1's K ranges (fixed since, not yet re-run); an explicit tactic or the tuner can take it.
-DEFAULT_FUSED_DECODE = False
+# Whether the untuned heuristic may pick FUSED_DECODE (default_tactic's `fused_decode`): on since session 35 ran
+# tests/test_fused_decode.py on the fixed build (h200_session35_checks.md).
+DEFAULT_FUSED_DECODE = True
 # GEMM1 CTAs an SM (expected, on 8-token tiles) from which the default tactic takes 16-token tiles instead: with its
 # ring unrolled the 16-token mainloop (three CTAs an SM) beat the 8-token default by 1.02-1.06x at T = 8-64 on five
 # shapes (5.8-62 CTAs an SM: the tactic table and replay A/Bs, h200_session31_checks.md). Below (T = 1, EP8 T=8:

@@ -108,10 +108,10 @@ RUN_ARGS = ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_wei
             "fc2_input_scale", "w2_weight", "w2_weight_sf", "w2_alpha")
 
 
-def replays_with_new_inputs(wrapper, case, fused, steps=100):
+def replays_with_new_inputs(wrapper, case, fused, steps=100, tactic=None):
     """Capture `wrapper.run` once over static copies of `case`'s inputs, then for each step copy new routing (5%
     invalid ids on odd steps) and new activations into them and replay. Yields (step, the graph's output, an eager
-    full-width `cute_dsl_fused_moe` on the same inputs), synchronized."""
+    full-width `cute_dsl_fused_moe` on the same inputs and `tactic`), synchronized."""
     import moe_ext
 
     T, K = case.ids.shape
@@ -131,7 +131,7 @@ def replays_with_new_inputs(wrapper, case, fused, steps=100):
             if value is not None:
                 static[name].copy_(value)
         graph.replay()
-        eager = moe_ext.cute_dsl_fused_moe(**{**case.kwargs(use_fused_finalize=fused), **new})
+        eager = moe_ext.cute_dsl_fused_moe(**{**case.kwargs(use_fused_finalize=fused), **new}, tactic=tactic)
         torch.cuda.synchronize()
         yield step, captured, eager
 

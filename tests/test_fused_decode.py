@@ -92,12 +92,13 @@ def test_fused_decode_grid_barrier_survives_many_launches():
 
 def test_fused_decode_in_a_captured_wrapper_replays_new_routing():
     """The wrapper's captured forward replayed with new routing and activations each step, against an eager
-    chain forward on the same inputs."""
+    forward of the same tactic on the same inputs: they differ only in the order of the bf16 atomic adds. (Against
+    the kernel chain the bf16 intermediate also rounds differently: 5.05e-3 at one step of the H200 run.)"""
     base = make_case("w4a16", num_tokens=4, top_k=8, num_experts=32, hidden=512, inter=256, seed=0).to("cuda")
     wrapper = moe_ext.CuteDslMoEWrapper(32, 8, 512, 256, use_cuda_graph=True, max_num_tokens=4, quant_mode="w4a16",
                                         device="cuda", use_fused_finalize=True)
     wrapper.run = _with_tactic(wrapper.run, FUSED)
-    for step, captured, eager in replays_with_new_inputs(wrapper, base, fused=True, steps=30):
+    for step, captured, eager in replays_with_new_inputs(wrapper, base, fused=True, steps=30, tactic=FUSED):
         assert rel_l2(captured, eager) <= 5e-3, step
 
 
