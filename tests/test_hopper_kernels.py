@@ -128,34 +128,6 @@ def test_part_filled_routing_tiles_at_their_edges(mode):
         check_against_reference(case, fused, every_tile=False)
 
 
-@pytest.mark.parametrize("mode", ["w4a16", "w4a8"])
-def test_wgmma_items_run_the_narrowest_width_that_holds_their_rows(mode):
-    """Built with narrow widths (wgmma_mainloop.NARROW_WIDTHS; benchmarks/wgmma_narrow_variant.py), on 64- and
-    128-token tiles of 128 weight rows an item whose tile holds <= 32 or <= 64 live rows runs m64n32 / m64n64
-    wgmmas (WgmmaConfig.widths), and its copier skips the token rows past that width; a 128-token tile of 256
-    weight rows runs as two 64-row blocks and skips the second's wgmmas where an item's rows fit the first
-    (skips_blocks). Without them every item runs the whole tile: the same checks hold. Experts of
-    Qwen3-30B-A3B's K (2048 / 768: longer than the rings) whose last tile holds each width's edge rows (1, 32,
-    33, 64, 65, 128 and past one tile: 129, 160, 161, 192, 193), both wgmma tiles with 128 and 256 weight rows,
-    both finalize modes, against the reference."""
-    rows = [1, 32, 33, 64, 65, 128, 129, 160, 161, 192, 193]
-    tokens = sum(rows)
-    case = make_case(mode, "swiglu", num_tokens=tokens, top_k=1, num_experts=len(rows), hidden=2048, inter=768,
-                     seed=8, weight_scale=0.02)
-    g = torch.Generator().manual_seed(9)
-    ids = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))[torch.randperm(tokens, generator=g)]
-    case = dataclasses.replace(case, ids=ids.view(tokens, 1).to(torch.int32)).to("cuda")
-    for fused in (True, False):
-        kw = case.kwargs(use_fused_finalize=fused)
-        problem = build_problem(**kw)
-        expected, gate = reference_and_gate(problem, TOLERANCE[case.mode])
-        for tactic in ((launcher.WGMMA_TILE, W, W), (64, W, W), (launcher.WGMMA_TILE, WW, WW), (64, WW, WW)):
-            assert tactic in HOPPER.tactics(problem), tactic
-            out = moe_ext.cute_dsl_fused_moe(**kw, moe_output=torch.full_like(expected, float("nan")), tactic=tactic)
-            assert torch.isfinite(out).all(), tactic
-            assert rel_l2(out, expected) <= gate, (fused, tactic, rel_l2(out, expected), gate)
-
-
 @pytest.mark.parametrize("kind", ["swiglu", "relu2"])
 @pytest.mark.parametrize("tactic", [(tile, W, W) for tile in (64, launcher.WGMMA_TILE)]
                          + [(launcher.WGMMA_TILE, WW, WW)], ids=str)

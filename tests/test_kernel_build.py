@@ -206,7 +206,7 @@ def test_register_a_fragment_is_in_ptx_order():
 
     @cute.jit
     def probe():  # static layouts, read while tracing
-        tiled_mma = mainloop.make_tiled_mma(cfg.token_block)
+        tiled_mma = mainloop.make_tiled_mma(cfg)
         tv = tiled_mma.tv_layout_A_tiled  # (thread, value) -> (weight row, k) of one k16 block, column-major
         seen["coords"] = [[(tv((t, v)) % cfg.bn, tv((t, v)) // cfg.bn) for v in range(8)] for t in threads]
         fragment = tiled_mma.make_fragment_A(tiled_mma.get_slice(0).partition_shape_A((cfg.bn, 2 * cfg.bk)))
@@ -254,26 +254,6 @@ def test_wgmma_configs_fit_the_register_file_and_shared_memory(tile, sf_block):
     cfg = wgmma_mainloop.config_for_tile(tile, sf_block)
     cfg.check()
     assert 150 * 1024 < cfg.shared_bytes <= wgmma_mainloop.MAX_SHARED_BYTES
-
-
-@pytest.mark.parametrize("sf_block", [16, 32])
-def test_narrow_widths_split_a_128_token_tile_of_256_weight_rows_into_two_blocks(sf_block, monkeypatch):
-    """With NARROW_WIDTHS the 128-token tile of 256 weight rows is two 64-row token blocks (four 64 x 64
-    accumulators: the registers of two 64 x 128 ones) sharing one 128-row s_c pass, in the same shared memory; the
-    128-weight-row tiles keep one block and take narrower widths instead."""
-    from moe_ext.kernels.sm90 import wgmma_mainloop
-
-    monkeypatch.setattr(wgmma_mainloop, "NARROW_WIDTHS", True)
-    split = wgmma_mainloop.config_for_tile(128, sf_block, 256)
-    split.check()
-    assert (split.token_block, split.blocks, split.sc_rows, split.skips_blocks) == (64, 2, 128, True)
-    assert split.widths == (64,)
-    monkeypatch.setattr(wgmma_mainloop, "NARROW_WIDTHS", False)
-    assert split.shared_bytes == wgmma_mainloop.config_for_tile(128, sf_block, 256).shared_bytes
-    monkeypatch.setattr(wgmma_mainloop, "NARROW_WIDTHS", True)
-    one = wgmma_mainloop.config_for_tile(128, sf_block)
-    assert (one.blocks, one.skips_blocks, one.widths) == (1, False, (32, 64, 128))
-    assert wgmma_mainloop.config_for_tile(256, sf_block).skips_blocks is False  # one weight half: see skips_blocks
 
 
 def test_wgmma_config_rejects_setmaxnreg_past_the_launch_allocation():
@@ -324,55 +304,27 @@ def kernel_sass():
     return module
 
 
-def check_wgmma_sass(kernel_sass, listing: str, name: str, widths: list) -> None:
-    """Register A wgmmas, no local-memory traffic in the mainloop (a spill there would sit in the decode of every
-    stage), no wgmma that waits for the one before it, and these wgmma N widths."""
-    counts = kernel_sass.opcode_counts(listing)
-    assert counts["HGMMA"] >= 4 and re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", listing), name  # A from registers
-    assert kernel_sass.mainloop_local_ops(listing) == 0, name
-    assert kernel_sass.serialized_wgmmas(listing) == 0, name
-    assert kernel_sass.wgmma_widths(listing) == widths, name
-
-
 def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernels, kernel_sass):
-    """The persistent wgmma GEMMs' SASS (read by scripts/kernel_sass.py from the exported objects): one wgmma N
-    width a routing tile, a 128-token block (m64n128k16) or the whole of a 32- or 64-token one."""
+    """The persistent wgmma GEMMs' SASS (read by scripts/kernel_sass.py from the exported objects) has register A
+    wgmmas, no local-memory traffic in the mainloop (a spill there would sit in the decode of every stage) and no
+    wgmma that waits for the one before it."""
     for name in ("moe_gemm1_w4a16_swiglu_t128_wgmma", "moe_gemm2_w4a16_t128_wgmma", "moe_gemm2_w4a8_t128_wgmma",
                  "moe_gemm1_w4a16_swiglu_t256_wgmma", "moe_gemm2_w4a16_t256_wgmma", "moe_gemm1_w4a8_relu2_t256_wgmma",
                  "moe_gemm1_w4a16_swiglu_t128_wgmma_n256", "moe_gemm2_w4a16_t128_wgmma_n256",
                  "moe_gemm1_w4a8_relu2_t128_wgmma_n256"):
-        check_wgmma_sass(kernel_sass, kernel_sass.sass(str(built_kernels / f"{name}.o")), name, [128])
+        listing = kernel_sass.sass(str(built_kernels / f"{name}.o"))
+        counts = kernel_sass.opcode_counts(listing)
+        assert counts["HGMMA"] >= 4 and re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", listing), name  # A from registers
+        assert kernel_sass.mainloop_local_ops(listing) == 0, name
+        assert kernel_sass.serialized_wgmmas(listing) == 0, name
+        assert kernel_sass.wgmma_widths(listing) == [128], name  # m64n128k16: one 128-token block per wgmma
     for tokens in (32, 64):  # the narrow tiles: one m64n32 / m64n64 block
         for name in (f"moe_gemm1_w4a16_swiglu_t{tokens}_wgmma", f"moe_gemm1_w4a8_relu2_t{tokens}_wgmma_n256",
                      f"moe_gemm2_w4a16_t{tokens}_wgmma", f"moe_gemm2_w4a8_t{tokens}_wgmma_n256"):
-            check_wgmma_sass(kernel_sass, kernel_sass.sass(str(built_kernels / f"{name}.o")), name, [tokens])
-
-
-@pytest.mark.parametrize("name,widths", [("moe_gemm1_w4a16_swiglu_t128_wgmma", [32, 64, 128]),
-                                         ("moe_gemm2_w4a8_t128_wgmma", [32, 64, 128]),
-                                         ("moe_gemm2_w4a16_t64_wgmma", [32, 64]),
-                                         ("moe_gemm1_w4a16_swiglu_t64_wgmma_n256", [32, 64]),
-                                         ("moe_gemm1_w4a16_swiglu_t128_wgmma_n256", [8, 64]),
-                                         ("moe_gemm2_w4a8_t128_wgmma_n256", [8, 64])])
-def test_narrow_wgmma_widths_build_clean(name, widths, kernel_sass, tmp_path, monkeypatch):
-    """With wgmma_mainloop.NARROW_WIDTHS (benchmarks/wgmma_narrow_variant.py's A/B build) an item of a 64- or
-    128-token tile runs the narrowest of m64n32 / m64n64 / the whole block that holds its live
-    rows: each width a copy of the consumer loop, none spilling or serialising its wgmmas. A 128-token tile of 256
-    weight rows (where a second copy of the loop had ptxas serialise every wgmma) runs as two 64-row blocks and
-    skips the second's wgmmas where an item's rows fit the first: a branch a weight half and stage, each closed by
-    ptxas with an empty m64n8 wgmma, and the stage's wait must still leave the second half in flight."""
-    from moe_ext.kernels.sm90 import build
-    from moe_ext.kernels.sm90 import wgmma_mainloop as mainloop
-
-    monkeypatch.setattr(mainloop, "NARROW_WIDTHS", True)
-    monkeypatch.setenv("CUTE_DSL_ARCH", build.ARCH)
-    build._load_dsl_runtime()
-    dict(build.specialisations())[name](f"--gpu-arch {build.ARCH}").export_to_c(
-        file_path=str(tmp_path), file_name=name, function_prefix=name)
-    listing = kernel_sass.sass(str(tmp_path / f"{name}.o"))
-    check_wgmma_sass(kernel_sass, listing, name, widths)
-    if 8 in widths:  # two commit groups a stage, the first retired: the second half's wgmmas overlap the decode
-        assert "WARPGROUP.DEPBAR.LE gsb0, 0x2" in listing, name
+            listing = kernel_sass.sass(str(built_kernels / f"{name}.o"))
+            assert kernel_sass.mainloop_local_ops(listing) == 0, name
+            assert kernel_sass.serialized_wgmmas(listing) == 0, name
+            assert kernel_sass.wgmma_widths(listing) == [tokens], name
 
 
 def test_wgmma_gemms_split_the_register_file_between_their_roles(built_kernels, kernel_sass):

@@ -53,7 +53,7 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
                            tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor, out_bf16: cute.Tensor,
                            fc2_input_scale: cute.Tensor, hidden: Int32,
                            n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32, p1: Float32,
-                           p2: Float32, p3: Float32, tok_layout: cute.ComposedLayout):
+                           p2: Float32, p3: Float32, tiled_mma: cute.TiledMma, tok_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         cute.arch.griddepcontrol_wait()
@@ -106,7 +106,7 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
             c0 = half * per_thread
             mainloop.write_k_permuted(fc2_group_address(n_tile, c0, row), [Int32(0)] * (per_thread // 2), c0 % 64)
 
-        mainloop.run_roles(cfg, tidx, cta, num_live_tiles[0], tok_layout, tile_to_expert,
+        mainloop.run_roles(cfg, tidx, cta, num_live_tiles[0], tok_layout, tiled_mma, tile_to_expert,
                            tile_to_mn_limit, x_bf16.iterator.toint(), token_row_offset, w1_tma_atom, w1_tma, w1_sf,
                            n1, hidden, epilogue, pad_epilogue=zero_padding)
         cute.arch.griddepcontrol_launch_dependents()
@@ -118,12 +118,13 @@ def make_kernel(mode: str, kind: str, cfg: mainloop.WgmmaConfig | None = None):
                out_bf16: cute.Tensor, fc2_input_scale: cute.Tensor,
                hidden: Int32, n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32, p1: Float32,
                p2: Float32, p3: Float32, k_split: Int32, pdl: cutlass.Boolean, stream: cuda.CUstream):
+        tiled_mma = mainloop.make_tiled_mma(cfg)
         tok_layout = mainloop.token_layout(cfg)
         storage = mainloop.make_storage(cfg, tok_layout)
         w1_tma_atom, w1_tma = mainloop.raw_weight_tma(cfg, w1, cute.size(w1_alpha), n1, hidden)
         gemm1_wgmma_kernel(x_bf16, per_token_scale, w1_tma_atom, w1_tma, w1_sf, w1_alpha, permuted_to_expanded,
                            tile_to_expert, tile_to_mn_limit, num_live_tiles, out_bf16, fc2_input_scale, hidden, n1,
-                           inter, col_offset, top_k, p0, p1, p2, p3, tok_layout).launch(
+                           inter, col_offset, top_k, p0, p1, p2, p3, tiled_mma, tok_layout).launch(
             grid=(cfg.ctas, 1, 1), block=(cfg.threads, 1, 1),
             smem=storage.size_in_bytes(), stream=stream, use_pdl=pdl,
             min_blocks_per_mp=cfg.ctas_per_sm,  # ptxas honours setmaxnreg only with a known register count at entry

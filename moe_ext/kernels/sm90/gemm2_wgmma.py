@@ -43,8 +43,8 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
                            token_final_scales: cute.Tensor, permuted_to_expanded: cute.Tensor,
                            tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
                            out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32, col_offset: Int32,
-                           top_k: Int32, fused: cutlass.Boolean, tok_layout: cute.ComposedLayout,
-                           a_tma_atom: cute.CopyAtom, a_tma: cute.Tensor):
+                           top_k: Int32, fused: cutlass.Boolean, tiled_mma: cute.TiledMma,
+                           tok_layout: cute.ComposedLayout, a_tma_atom: cute.CopyAtom, a_tma: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         cute.arch.griddepcontrol_wait()
@@ -69,7 +69,7 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
             else:
                 ptx.write_words(address, words)
 
-        mainloop.run_roles(cfg, tidx, cta, num_live_tiles[0], tok_layout, tile_to_expert,
+        mainloop.run_roles(cfg, tidx, cta, num_live_tiles[0], tok_layout, tiled_mma, tile_to_expert,
                            tile_to_mn_limit, a_bf16.iterator.toint(), None, w2_tma_atom, w2_tma, w2_sf,
                            hidden, inter, epilogue, token_tma=(a_tma_atom, a_tma))
         cute.arch.griddepcontrol_launch_dependents()
@@ -81,13 +81,14 @@ def make_kernel(mode: str, cfg: mainloop.WgmmaConfig | None = None):
                num_live_tiles: cute.Tensor, out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32,
                col_offset: Int32, top_k: Int32, fused: cutlass.Boolean, k_split: Int32, pdl: cutlass.Boolean,
                stream: cuda.CUstream):
+        tiled_mma = mainloop.make_tiled_mma(cfg)
         tok_layout = mainloop.token_layout(cfg)
         storage = mainloop.make_storage(cfg, tok_layout)
         w2_tma_atom, w2_tma = mainloop.raw_weight_tma(cfg, w2, cute.size(w2_alpha), hidden, inter)
         a_tma_atom, a_tma = mainloop.token_box_tma(cfg, a_bf16, inter, tok_layout)
         gemm2_wgmma_kernel(a_bf16, row_scale, w2_tma_atom, w2_tma, w2_sf, w2_alpha, token_final_scales,
                            permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out, hidden,
-                           inter, out_pitch, col_offset, top_k, fused, tok_layout, a_tma_atom,
+                           inter, out_pitch, col_offset, top_k, fused, tiled_mma, tok_layout, a_tma_atom,
                            a_tma).launch(
             grid=(cfg.ctas, 1, 1), block=(cfg.threads, 1, 1),
             smem=storage.size_in_bytes(), stream=stream, use_pdl=pdl,

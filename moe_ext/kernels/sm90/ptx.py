@@ -23,14 +23,10 @@ def _asm(results: int, args, text: str, constraints: str, side_effects=False, re
 
 
 @dsl_user_op
-def cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, skippable: bool = False, *, loc=None,
-                ip=None) -> None:
-    """16 bytes global -> shared, bypassing L1: the first `src_bytes` (0 or 16) read, the rest zeros; with
-    `skippable`, no copy at all where `src_bytes` is negative."""
-    copy = "cp.async.cg.shared.global [$0], [$1], 16, $2;"
-    _asm(0, [Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)],
-         f"{{ .reg .pred p; setp.ge.s32 p, $2, 0; @p {copy} }}" if skippable else copy, "r,l,r,~{memory}",
-         side_effects=True)
+def cp_async_16(smem_addr: Int32, gmem_addr: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
+    """16 bytes global -> shared, bypassing L1: the first `src_bytes` (0 or 16) read, the rest zeros."""
+    _asm(0, [Int32(smem_addr), Int64(gmem_addr), Int32(src_bytes)], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+         "r,l,r,~{memory}", side_effects=True)
 
 
 @dsl_user_op

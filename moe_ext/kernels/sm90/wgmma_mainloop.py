@@ -6,11 +6,7 @@ CTA tile: 128 weight rows (the wgmma M side, two consumer warpgroups of 64) x 32
 (one routing tile of one local expert, in blocks of up to 128: one wgmma N each) x all of K in stages of 64,
 `stages` deep. A 256-row tile decodes each weight stage once for both blocks (twice the MMA per decode
 instruction); 32- and 64-row tiles cut the MMA of a 128-row one where experts have fewer rows (no padding token
-rows multiplied for nothing), for the same decode. With NARROW_WIDTHS (an A/B build, off in the shipped objects),
-an item whose 64- or 128-row tile holds at most 32 or 64 live rows (an expert's last tile) runs m64n32 / m64n64
-wgmmas on its first rows (WgmmaConfig.widths: one copy of the consumer loop a width), and a 128-row tile of 256
-weight rows runs as two 64-row blocks, the second's wgmmas skipped where the rows fit the first (skips_blocks):
-on these tiles the MMA, not the decode, is what a stage costs.
+rows multiplied for nothing), for the same decode.
 Persistent: `ctas` CTAs (one per SM) loop over the work items (routing tile, column tile); each role carries its
 ring states from one item to the next, so the copier fills the next item's stages while the consumers run this
 item's epilogue out of their own s_c.
@@ -77,10 +73,6 @@ MAX_SHARED_BYTES = SM_SHARED_BYTES - 1024  # opt-in dynamic shared memory of a H
 TILES = (32, 64, 128, 256)  # the routing tiles the wgmma GEMMs are built for
 # (routing tile, weight rows) of every wgmma GEMM built: at most two accumulators (blocks x halves) fit the registers
 SHAPES = ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128), (256, 128), (128, 256))
-# Narrow wgmma widths for part-filled tiles (WgmmaConfig.widths). Off in the shipped objects until they have run on
-# the H200 (built and SASS-checked without one in session 34); benchmarks/wgmma_narrow_variant.py builds the wgmma
-# GEMMs with them on, as an A/B overlay of a complete build.
-NARROW_WIDTHS = False
 
 
 # K order of the wgmma GEMMs' bf16 operands. The order of K inside an MMA is free as long as both operands agree,
@@ -154,9 +146,6 @@ class WgmmaConfig:
     # Mixtral T=4096 (256-token tiles, ~1/10 padding) 0.99x. The 64- and 128-token tiles take it (32-token ones,
     # for experts of 12-24 rows, not measured).
     zero_padding: bool = False
-    # Token rows of one wgmma N where smaller than the tile's 128 (0: the tile's): a 128-token tile of 256 weight
-    # rows as two 64-row blocks, the second skipped where an item's rows fit the first (NARROW_WIDTHS; skips_blocks).
-    block_rows: int = 0
 
     @property
     def threads(self) -> int:
@@ -168,40 +157,8 @@ class WgmmaConfig:
 
     @property
     def token_block(self) -> int:
-        """Token rows of one wgmma N."""
-        return self.block_rows or min(self.bm, TOKEN_BLOCK)
-
-    @property
-    def sc_rows(self) -> int:
-        """Token rows of s_c, one epilogue pass: up to 128, sc_rows // token_block blocks."""
+        """Token rows of one wgmma N (one s_c pass)."""
         return min(self.bm, TOKEN_BLOCK)
-
-    @property
-    def skips_blocks(self) -> bool:
-        """Whether an item whose rows fit its first token block issues no wgmmas for the second (NARROW_WIDTHS: a
-        128-token tile of 256 weight rows as two 64-row blocks). The choice is made per weight half and stage, each
-        branch a run of wgmmas with its own commit group: ptxas closes each with an empty wgmma, so only a stage
-        of two halves can leave its second in flight while the next stage decodes (wait_group(2)); a 256-token
-        tile (one half) would lose that overlap, and two copies of the mainloop instead serialise its wgmmas."""
-        return NARROW_WIDTHS and self.blocks > 1 and self.halves > 1
-
-    @property
-    def skips_copies(self) -> bool:
-        """Whether the copier leaves out the token rows an item's wgmmas never read (copied_rows): zero-padded
-        tiles with narrow widths or a skippable second block."""
-        return self.zero_padding and (len(self.widths) > 1 or self.skips_blocks)
-
-    @property
-    def widths(self) -> tuple:
-        """wgmma N widths an item may run, narrowest first: a one-block tile whose padding is zeros (zero_padding)
-        runs the narrowest width that holds its live rows (32, 64 or the whole block), so the padding of an
-        expert's last tile is not multiplied (and its rows past the width are not copied). DeepSeek-V3 at T=4096
-        puts ~128 rows on each expert: about half of the experts leave a second 128-row tile with 1-32 rows. Not
-        where a thread holds two 64 x 128 accumulators (128-token tiles of 256 weight rows): with a second copy of
-        the loop ptxas serialises every wgmma there ("insufficient register resources")."""
-        if not NARROW_WIDTHS or self.blocks > 1 or self.halves * self.token_block > 128 or not self.zero_padding:
-            return (self.token_block,)
-        return tuple(w for w in (32, 64) if w < self.token_block) + (self.token_block,)
 
     @property
     def blocks(self) -> int:
@@ -215,7 +172,7 @@ class WgmmaConfig:
 
     def check(self) -> None:
         assert self.bm in TILES and self.bn in (128, 256), "the thread mappings assume 32- to 128-row blocks"
-        assert self.blocks * self.halves * self.token_block <= 256, "at most two 64 x 128 fp32 accumulators a thread"
+        assert self.blocks * self.halves <= 2, "at most two 64 x 128 fp32 accumulators a consumer thread"
         assert self.bk == 64, "one stage must be one 4-block group of the 128x4 scale layout"
         assert self.stages >= 3, "the consumers hold up to two stages (wgmma wait_group(1))"
         assert self.sf_block in (16, 32), "NVFP4 (16) or MXFP4 (32) weights"
@@ -240,7 +197,7 @@ class WgmmaConfig:
         n = up(n, 1024) + self.stages * self.bn * self.bk // 2  # raw codes
         n = up(n, 16) + self.stages * self.halves * 512 + 256 * 4  # raw scales, scale table
         n = up(n, 1024) + self.blocks * self.stages * self.token_block * self.bk * 2  # token blocks
-        return up(n, 16) + self.sc_rows * self.pitch * 4  # s_c
+        return up(n, 16) + self.token_block * self.pitch * 4  # s_c
 
 
 DEFAULT = WgmmaConfig()
@@ -266,29 +223,14 @@ def config_for_tile(tile: int, sf_block: int, weight_rows: int = 128) -> WgmmaCo
     if tile == 256:
         assert weight_rows == 128, "two token blocks and two weight halves would need four accumulators"
         return WgmmaConfig(bm=256, stages=4, copier_regs=56, consumer_regs=224, sf_block=sf_block)
-    if weight_rows == 256 and NARROW_WIDTHS:  # one width only (WgmmaConfig.widths): a skippable second block
-        return WgmmaConfig(bn=weight_rows, sf_block=sf_block, zero_padding=True, block_rows=64)
     return WgmmaConfig(bn=weight_rows, sf_block=sf_block, zero_padding=True)
 
 
-def make_tiled_mma(width: int):
+def make_tiled_mma(cfg: WgmmaConfig):
     """bf16 x bf16 -> fp32, swap-AB: A = weight rows from registers (M, two consumer warpgroups of 64 stacked),
-    B = the first `width` token rows of a block from shared memory (N), both K-major. Call inside a jit."""
+    B = token rows from shared memory (N = bm), both K-major. Call inside a jit."""
     return sm90_utils.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                             (2, 1, 1), tiler_mn=(64, width), a_source=OperandSource.RMEM)
-
-
-def copied_rows(cfg: WgmmaConfig, block: int, live_rows):
-    """The rows of token block `block` an item's wgmmas read, where it holds `live_rows` live rows (cfg.skips_copies;
-    a runtime Int32): with a skippable second block, all of a block or none of a second one without live rows;
-    else the item's wgmma width, the narrowest of cfg.widths that holds them."""
-    if cfg.skips_blocks:
-        return Int32(cutlass.select_(live_rows > 0, Int32(cfg.token_block), Int32(0))) if block else Int32(
-            cfg.token_block)
-    width = Int32(cfg.widths[-1])
-    for w in reversed(cfg.widths[:-1]):
-        width = Int32(cutlass.select_(live_rows <= w, Int32(w), width))
-    return width
+                                             (2, 1, 1), tiler_mn=(64, cfg.token_block), a_source=OperandSource.RMEM)
 
 
 def token_layout(cfg: WgmmaConfig):
@@ -310,7 +252,7 @@ def make_storage(cfg: WgmmaConfig, tok_layout):
         raw_scales: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cfg.stages * cfg.halves * 512], 16]
         scale_lut: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 256 * 4], 16]  # bf16x2 per scale byte
         tokens: cute.struct.Align[cute.struct.MemRange[BFloat16, cfg.blocks * cute.cosize(tok_layout)], 1024]
-        sC: cute.struct.Align[cute.struct.MemRange[Float32, cfg.sc_rows * cfg.pitch], 16]  # one pass
+        sC: cute.struct.Align[cute.struct.MemRange[Float32, cfg.token_block * cfg.pitch], 16]  # one block a pass
 
     return Storage
 
@@ -335,7 +277,7 @@ def allocate(cfg: WgmmaConfig, tok_layout):
     tokens = [cute.make_tensor(cute.recast_ptr(st.tokens.data_ptr() + b * block, tok_layout.inner, dtype=BFloat16),
                                tok_layout.outer) for b in range(cfg.blocks)]
     return (tokens,
-            st.sC.get_tensor(cute.make_layout((cfg.sc_rows, WEIGHT_HALF), stride=(cfg.pitch, 1))),
+            st.sC.get_tensor(cute.make_layout((cfg.token_block, WEIGHT_HALF), stride=(cfg.pitch, 1))),
             st.raw_codes.data_ptr().toint(), st.raw_scales.data_ptr().toint(), st.scale_lut.data_ptr().toint(),
             copied)
 
@@ -391,27 +333,23 @@ def token_copy_partition(cfg: WgmmaConfig, tokens, tid):
     return cp_atom, g2s.partition_D(tokens), g2s.partition_D(cute.make_identity_tensor((cfg.token_block, cfg.bk)))
 
 
-def token_sources(tAcA, a_base: Int64, a_row_offset, live_rows=None, width=None):
+def token_sources(tAcA, a_base: Int64, a_row_offset, live_rows=None):
     """Global address of each of this thread's token chunks at K = 0 (64-bit: T * H can pass 2^31), and with
-    `live_rows` the bytes each copies: 16, 0 (cp.async fills zeros) for a row at or past it (zero_padding), or -1
-    (no copy) for a row at or past `width` (copied_rows), which the item's wgmmas never read."""
+    `live_rows` the bytes each copies: 16, or 0 (cp.async fills zeros) for a row at or past it (zero_padding)."""
     chunks = cute.size(tAcA, mode=[1])
     a_src = cute.make_rmem_tensor((chunks,), Int64)
     a_bytes = None if live_rows is None else cute.make_rmem_tensor((chunks,), Int32)
     for i in range(chunks):
         m, k = tAcA[(0, i, 0)]
         a_src[i] = a_base + a_row_offset(m) + Int64(k) * Int64(2)
-        if live_rows is not None and width is not None:
-            a_bytes[i] = Int32(cutlass.select_(m < live_rows, Int32(16), Int32(cutlass.select_(m < width, Int32(0),
-                                                                                                  Int32(-1)))))
-        elif live_rows is not None:
+        if live_rows is not None:
             a_bytes[i] = Int32(cutlass.select_(m < live_rows, Int32(16), Int32(0)))
     return a_src, a_bytes
 
 
 def issue_token_stage(cfg: WgmmaConfig, cp_atom, tAsA, sources, kt, stage):
     """cp.async 16 bytes of each of this thread's token chunks of K stage kt into the token tile's `stage`
-    (token_sources: with zero_padding, zeros for padding rows, nothing past the item's width)."""
+    (token_sources: with zero_padding, zeros for padding rows)."""
     a_src, a_bytes = sources
     k_bytes = Int64(kt) * Int64(cfg.bk * 2)
     for i in range(cute.size(tAsA, mode=[1])):
@@ -419,8 +357,7 @@ def issue_token_stage(cfg: WgmmaConfig, cp_atom, tAsA, sources, kt, stage):
             # cute.copy has no zero fill. toint() of a pointer with the token layout's 128-byte swizzle (S<3,4,3>
             # on byte addresses) is the unswizzled address; its loads and stores xor bits 7-9 into bits 4-6.
             addr = tAsA[(None, i, 0, stage)].iterator.toint()
-            ptx.cp_async_16(addr ^ ((addr >> 3) & 0x70), a_src[i] + k_bytes, a_bytes[i],
-                            cfg.skips_copies)
+            ptx.cp_async_16(addr ^ ((addr >> 3) & 0x70), a_src[i] + k_bytes, a_bytes[i])
         else:
             src = cute.make_tensor(cute.make_ptr(BFloat16, a_src[i] + k_bytes, cute.AddressSpace.gmem,
                                                  assumed_align=16), cute.make_layout(((8, 1),)))
@@ -537,9 +474,8 @@ def copy_stages(cfg: cutlass.Constexpr, copied, tokens, raw_codes: Int32, raw_sc
         else:
             cp_atom, tAsA, tAcA = token_copy_partition(cfg, tokens[b], tid)
             live_rows = token_limit - first_token_row - b * cfg.token_block if cfg.zero_padding else None
-            width = copied_rows(cfg, b, live_rows) if cfg.skips_copies else None
             blocks.append((cp_atom, tAsA, token_sources(tAcA, a_base, lambda m: a_row_offset(m + b * cfg.token_block),
-                                                        live_rows, width)))
+                                                        live_rows)))
     ring = cute.make_tensor(cute.make_ptr(cutlass.Uint8, raw_codes, cute.AddressSpace.smem, assumed_align=1024),
                             cute.make_layout((1, cfg.bn, cfg.bk // 2, cfg.stages),
                                              stride=(0, cfg.bk // 2, 1, cfg.bn * cfg.bk // 2)))
@@ -576,44 +512,27 @@ def drain_copies():
     cute.arch.cp_async_wait_group(0)
 
 
-def issue_wgmmas(tiled_mma: cute.TiledMma, accs, tCrA, tCrBs, k_blocks: int, buf: int, stage, blocks: int) -> None:
-    """One weight half's wgmmas of a stage for its first `blocks` token blocks: accs[b] += A . tCrBs[b]."""
-    for kb in range(k_blocks):
-        for b in range(blocks):
-            cute.gemm(tiled_mma, accs[b], tCrA[(None, None, k_blocks * buf + kb)], tCrBs[b][(None, None, kb, stage)],
-                      accs[b])
-
-
 @cute.jit
 def mma_stage(cfg: cutlass.Constexpr, copied, tiled_mma: cute.TiledMma, accs, tCrAs, tCrBs, a_words, rings,
-              lut: Int32, kt, buf: cutlass.Constexpr, read, release, second_live):
+              lut: Int32, kt, buf: cutlass.Constexpr, read, release):
     """One K stage: wait for its copies; for each weight half h, decode its weights into register buffer `buf` of
     tCrAs[h] (k-blocks 4 buf .. 4 buf + 3) and issue its wgmmas (accs[h][b] += A_h . tCrBs[b] for each token block
     b), so half 1's decode overlaps half 0's wgmmas; then retire the previous stage's wgmmas (so its tokens are
     released and its register buffers, the other ones, may be written again by the next stage). Decoding both
-    halves before one fence makes ptxas serialise every wgmma (a wait after each): keep a fence per half. With
-    cfg.skips_blocks the second token block's wgmmas are issued only where `second_live` (a commit group a half,
-    so that wait_group(2) leaves half 1 in flight as wait_group(1) does otherwise). Returns the ring states
-    advanced."""
+    halves before one fence makes ptxas serialise every wgmma (a wait after each): keep a fence per half.
+    Returns the ring states advanced."""
     k_blocks = cfg.bk // 16
     copied.consumer_wait(read)
     for h in cutlass.range_constexpr(cfg.halves):
         ring, ring8 = rings[h]
         decode_a_stage(cfg, ring, ring8, lut, a_words[h], 4 * k_blocks * buf, read.index, kt)
         cute.nvgpu.warpgroup.fence()
-        if cutlass.const_expr(cfg.skips_blocks):
-            if second_live:
-                issue_wgmmas(tiled_mma, accs[h], tCrAs[h], tCrBs, k_blocks, buf, read.index, cfg.blocks)
-            else:
-                issue_wgmmas(tiled_mma, accs[h], tCrAs[h], tCrBs, k_blocks, buf, read.index, 1)
-            cute.nvgpu.warpgroup.commit_group()
-        else:
-            issue_wgmmas(tiled_mma, accs[h], tCrAs[h], tCrBs, k_blocks, buf, read.index, cfg.blocks)
-    if cutlass.const_expr(cfg.skips_blocks):
-        cute.nvgpu.warpgroup.wait_group(cfg.halves)
-    else:
-        cute.nvgpu.warpgroup.commit_group()
-        cute.nvgpu.warpgroup.wait_group(1)
+        for kb in cutlass.range_constexpr(k_blocks):
+            for acc, tCrB in zip(accs[h], tCrBs):
+                cute.gemm(tiled_mma, acc, tCrAs[h][(None, None, k_blocks * buf + kb)],
+                          tCrB[(None, None, kb, read.index)], acc)
+    cute.nvgpu.warpgroup.commit_group()
+    cute.nvgpu.warpgroup.wait_group(1)
     if kt > 0:
         copied.consumer_release(release)
         release.advance()
@@ -623,26 +542,21 @@ def mma_stage(cfg: cutlass.Constexpr, copied, tiled_mma: cute.TiledMma, accs, tC
 
 @cute.jit
 def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_scales: Int32, lut: Int32,
-            width: cutlass.Constexpr, wg, ctid, k_extent, read, release, finish: cutlass.Constexpr, second_live):
-    """acc (64 weight rows per warpgroup x `width` tokens, one per weight half and token block) = A . tokens^T
+            tiled_mma: cute.TiledMma, wg, ctid, k_extent, read, release, finish: cutlass.Constexpr):
+    """acc (64 weight rows per warpgroup x token_block tokens, one per weight half and token block) = A . tokens^T
     over all K stages of one work item, A decoded from each stage's raw slot straight into the wgmma's register
     operand. Two register buffers a half alternate by stage: a stage decodes into one while the previous stage's
     wgmmas, reading the other, are still in flight (an in-flight wgmma's A registers must not be written). Then,
-    half by half and s_c pass by pass (sc_rows // token_block blocks each), the accumulators are staged
-    transposed into s_c [token][weight row], synchronised across both consumer warpgroups, and `finish(h, g)` runs
-    the epilogue of weight half h and s_c pass g. `second_live`: whether the item has rows in its second token
-    block (with cfg.skips_blocks; without, the second block's accumulators stay zero). Returns the ring states
-    advanced."""
-    tiled_mma = make_tiled_mma(width)
+    half by half and block by block, the accumulator is staged transposed into s_c [token][weight row],
+    synchronised across both consumer warpgroups, and `finish(h, b)` runs the epilogue of weight half h and token
+    block b. Returns the ring states advanced."""
     thr_wg = tiled_mma.get_slice((wg - FIRST_CONSUMER) * WARPGROUP)
-    if cutlass.const_expr(width < cfg.token_block):  # the block's first `width` rows of every stage
-        tokens = [cute.local_tile(t, (width, cfg.bk, cfg.stages), (0, 0, 0)) for t in tokens]
     tCrBs = [tiled_mma.make_fragment_B(thr_wg.partition_B(t)) for t in tokens]  # smem descriptors (MMA, N, K, stages)
     # registers, 2 buffers a half
     tCrAs = [tiled_mma.make_fragment_A(thr_wg.partition_shape_A((WEIGHT_HALF, 2 * cfg.bk))) for _ in
              range(cfg.halves)]
     a_words = [cute.recast_tensor(t, Int32) for t in tCrAs]
-    tCcC = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((WEIGHT_HALF, width)))
+    tCcC = tiled_mma.get_slice(ctid).partition_C(cute.make_identity_tensor((WEIGHT_HALF, cfg.token_block)))
     accs = [[cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(cfg.blocks)] for _ in range(cfg.halves)]
     for half_accs in accs:
         for acc in half_accs:
@@ -657,26 +571,23 @@ def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_s
     for pair in cutlass.range(stages // 2, unroll=1):
         for buf in cutlass.range_constexpr(2):
             read, release = mma_stage(cfg, copied, tiled_mma, accs, tCrAs, tCrBs, a_words, rings, lut,
-                                      2 * pair + buf, buf, read, release, second_live)
+                                      2 * pair + buf, buf, read, release)
     for kt in cutlass.range(stages - stages % 2, stages, unroll=1):  # an odd last stage: buffer 0 is free
         read, release = mma_stage(cfg, copied, tiled_mma, accs, tCrAs, tCrBs, a_words, rings, lut, kt,
-                                  0, read, release, second_live)
+                                  0, read, release)
     cute.nvgpu.warpgroup.wait_group(0)
     copied.consumer_release(release)
     release.advance()
 
     consumers = pipeline.NamedBarrier(barrier_id=1, num_threads=CONSUMERS)
-    per_pass = cfg.sc_rows // cfg.token_block
     for h in cutlass.range_constexpr(cfg.halves):
-        for g in cutlass.range_constexpr(cfg.blocks // per_pass):
+        for b in cutlass.range_constexpr(cfg.blocks):
             consumers.arrive_and_wait()  # every consumer thread is done reading s_c (the previous pass or item)
-            for j in cutlass.range_constexpr(per_pass):
-                acc = accs[h][g * per_pass + j]
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    m, n = tCcC[i]
-                    s_c[(n + j * cfg.token_block, m)] = acc[i]
+            for i in cutlass.range_constexpr(cute.size(accs[h][b])):
+                m, n = tCcC[i]
+                s_c[(n, m)] = accs[h][b][i]
             consumers.arrive_and_wait()
-            finish(h, g)
+            finish(h, b)
     return read, release
 
 
@@ -691,9 +602,9 @@ def epilogue_thread(ctid):
 # The persistent kernel body
 # ----------------------------------------------------------------------------------------------------------------
 @cute.jit
-def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tile_to_expert: cute.Tensor,
-              tile_to_mn_limit: cute.Tensor, a_base: Int64, a_row_offset: cutlass.Constexpr, tma_atom, tma_w, w_sf,
-              rows_per_expert, k_extent,
+def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cute.TiledMma,
+              tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, a_base: Int64,
+              a_row_offset: cutlass.Constexpr, tma_atom, tma_w, w_sf, rows_per_expert, k_extent,
               epilogue: cutlass.Constexpr, token_tma=None, pad_epilogue: cutlass.Constexpr = None):
     """Every role of a wgmma GEMM over its work items (`live` routing tiles x rows_per_expert / bn column tiles):
     the copier gathers token row m of an item from `a_row_offset(item, m)` bytes past `a_base` (with
@@ -727,33 +638,16 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tile_to_exper
             item = WorkItem(cfg, w, raster, tile_to_expert, tile_to_mn_limit)
             r, half = epilogue_thread(ctid)
 
-            # The epilogue of weight half h and s_c pass g of this item, out of s_c. A 32- or 64-row tile leaves
-            # threads with r >= bm out: their rows are at or past the tile's limit (<= row0 + bm).
-            def finish(h, g):
-                row = item.row0 + g * cfg.sc_rows + r
+            # The epilogue of weight half h and token block b of this item, out of s_c. A 32- or 64-row block
+            # leaves threads with r >= bm out: their rows are at or past the tile's limit (<= row0 + bm).
+            def finish(h, b):
+                row = item.row0 + b * cfg.token_block + r
                 n_tile = item.n_tile if cutlass.const_expr(cfg.halves == 1) else item.n_tile * cfg.halves + h
                 if row < item.limit:
                     epilogue(item, n_tile, s_c, r, half, row)
                 if cutlass.const_expr(cfg.zero_padding and pad_epilogue is not None):
-                    if row >= item.limit and r < cfg.sc_rows:
+                    if row >= item.limit and r < cfg.token_block:
                         pad_epilogue(item, n_tile, half, row)
 
-            # the item's wgmma width (cfg.widths; copied_rows, which the copier applies too), one consume each, or
-            # with cfg.skips_blocks whether its second token block has rows
-            widths = cfg.widths
-            live_rows = item.limit - item.row0
-            shared = (cfg, copied, tokens, s_c, raw_codes, raw_scales, lut)
-            if cutlass.const_expr(len(widths) == 1):
-                read, release = consume(*shared, widths[0], wg, ctid, k_extent, read, release, finish,
-                                        live_rows > cfg.token_block)
-            else:
-                if live_rows <= widths[0]:
-                    read, release = consume(*shared, widths[0], wg, ctid, k_extent, read, release, finish, 1)
-                else:
-                    if cutlass.const_expr(len(widths) == 3):
-                        if live_rows <= widths[1]:
-                            read, release = consume(*shared, widths[1], wg, ctid, k_extent, read, release, finish, 1)
-                        else:
-                            read, release = consume(*shared, widths[2], wg, ctid, k_extent, read, release, finish, 1)
-                    else:
-                        read, release = consume(*shared, widths[1], wg, ctid, k_extent, read, release, finish, 1)
+            read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, tiled_mma, wg, ctid,
+                                    k_extent, read, release, finish)
