@@ -8,7 +8,8 @@
 #   grid:      the full issue-3 correctness grid (13,200 cases), shards $GRID_SHARD ("K/N ...", default 0/1),
 #              500 s each; $GRID_ARGS (e.g. "--tokens 515") narrows every shard
 #   ab_wgmma:  install, profile (each tactic of $AB_TACTICS at $AB_POINTS, default as prefill) and check
-#              (wgmma-heavy kernel tests) each directory of $AB_DIRS, then reinstall $MOE_EXT_KERNEL_DIR (unless alone);
+#              (wgmma-heavy kernel tests, or $AB_CHECK_FILE -k $AB_CHECK_K) each directory of $AB_DIRS, then
+#              reinstall $MOE_EXT_KERNEL_DIR (unless alone);
 #              an entry "BASE+OVERLAY" of $AB_DIRS (both parts) is BASE with the objects of folder OVERLAY over it
 #   ab_bench:  whole forwards (graph replays, w4a16, fused) of each directory of $AB_DIRS at $AB_SHAPES x $AB_TOKENS
 #              with $AB_BENCH_TACTIC (default: the heuristic's, untuned), in interleaved rounds ($AB_ROUNDS), and
@@ -191,7 +192,8 @@ elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, 
     echo "install $d rc=$?" | tee -a "$OUT/summary.txt"
     profile_tactics "prefill_${tag}_" "$d "
     [ "$dir" = "$MOE_EXT_KERNEL_DIR" ] || [ "${AB_CHECK:-1}" = 0 ] || tests_step "check_$tag" 150 \
-      tests/test_hopper_kernels.py -k "large_token_count or (shapes_and and 7168 and w4a16) or part_filled"
+      "${AB_CHECK_FILE:-tests/test_hopper_kernels.py}" \
+      -k "${AB_CHECK_K:-large_token_count or (shapes_and and 7168 and w4a16) or part_filled}"
   done
   [ "$PARTS" = ab_wgmma ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
 elif [ "$PART" = ab_bench ]; then  # what per-kernel sums miss: gaps between kernels, overlap under PDL
