@@ -412,8 +412,8 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     GEMM1 1.06-1.21x and GEMM2 1.27-1.80x there; at 256 CTAs it was 0.76-0.96x (h200_session17_checks.md).
     Where the one-launch forward can run (`fused_decode`: fits_fused_decode) and GEMM1's expected weight tiles fit
     one an SM (so its K splits at least in two across the two-CTA grid), it takes FUSED_DECODE: Qwen3-30B-A3B T=1
-    1.36x, DeepSeek-V3 EP8 T = 1 / 2 / 4 1.28 / 1.75 / 1.67x in graph replays; where more tiles run it was
-    0.63-1.24x (h200_session33_checks.md). The backend asks for it only under DEFAULT_FUSED_DECODE.
+    1.36x, DeepSeek-V3 EP8 T = 1 / 2 / 4 1.25 / 1.74 / 1.68x in graph replays; where more tiles run it was
+    0.62-1.23x (h200_session35_checks.md). The backend asks for it only under DEFAULT_FUSED_DECODE.
     """
     if fused_decode and num_tokens * top_k <= DECODE_MAX_PAIRS and \
             expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts) * n1 / 128 <= num_sms:

@@ -378,8 +378,8 @@ def test_profile_samples_the_candidates_in_rotating_rounds():
 
 
 def test_hopper_default_tactic_takes_the_fused_decode_where_gemm1_fits_one_tile_an_sm():
-    """FUSED_DECODE where it runs and GEMM1's expected weight tiles fit one an SM (measured 1.28-1.75x there), the
-    kernel chain elsewhere (0.63-1.24x with more tiles: h200_session33_checks.md)."""
+    """FUSED_DECODE where it runs and GEMM1's expected weight tiles fit one an SM (measured 1.25-1.74x there), the
+    kernel chain elsewhere (0.62-1.23x with more tiles: h200_session35_checks.md)."""
     from moe_ext import launcher
 
     tiles, fused = launcher.TOKEN_TILES, (8, launcher.FUSED_DECODE, launcher.FUSED_DECODE)
