@@ -89,11 +89,9 @@ _HGMMA_SHAPE = re.compile(r"HGMMA\.(\d+x\d+x\d+)")
 
 def serialized_wgmmas(listing: str) -> int:
     """HGMMAs followed by a full wait (`WARPGROUP.DEPBAR.LE gsb0, 0x0`) before the next HGMMA: ptxas serialises
-    wgmmas this way when it cannot prove their register operands safe, and says nothing. A mainloop's last wait
-    (wait_group 0 after the last stage, then the epilogue's CTA barrier) is not counted, also where another copy
-    of the mainloop (another wgmma width) follows it."""
-    lines = [line for line in listing.splitlines()
-             if "HGMMA" in line or "DEPBAR.LE gsb0, 0x0" in line or "BAR.SYNC" in line]
+    wgmmas this way when it cannot prove their register operands safe, and says nothing. The mainloop's last
+    wait (wait_group 0 after the last stage) is not counted."""
+    lines = [line for line in listing.splitlines() if "HGMMA" in line or "DEPBAR.LE gsb0, 0x0" in line]
     return sum(1 for a, b, c in zip(lines, lines[1:], lines[2:])
                if "HGMMA" in a and "DEPBAR" in b and "HGMMA" in c)
 
