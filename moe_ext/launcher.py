@@ -279,6 +279,7 @@ DECODE_TILE = 8
 DECODE_MAX_PAIRS = 64  # decode_fused.MAX_PAIRS
 DECODE_SPLITS = 8  # decode_fused.MAX_SPLITS: GEMM1 partial tiles a weight tile may leave in the workspace
 DECODE_CTAS_PER_SM = 2  # decode_fused.CONFIG.ctas_per_sm: the cooperative grid
+DECODE_GEMM2_MIN_STEPS = 4  # decode_fused.GEMM2_MIN_STEPS: 128-K steps of a GEMM2 K range at least
 # Whether the untuned heuristic may pick FUSED_DECODE (default_tactic's `fused_decode`): on since session 35 ran
 # tests/test_fused_decode.py on the fixed build (h200_session35_checks.md).
 DEFAULT_FUSED_DECODE = True
@@ -478,8 +479,10 @@ class KernelBuffers:
     intermediate_bf16: torch.Tensor
     row_scale: torch.Tensor
     slot_output: torch.Tensor
-    decode_partials: torch.Tensor  # FUSED_DECODE's GEMM1 partial tiles (fp32)
-    grid_barrier: torch.Tensor  # FUSED_DECODE's grid-barrier word: zeroed once, left consistent by every launch
+    decode_partials: torch.Tensor  # FUSED_DECODE's K ranges' partial tiles (fp32): GEMM1's, then GEMM2's
+    # FUSED_DECODE's grid-barrier word, then a GEMM2 arrival count a (row tile, hidden tile) item from element 4:
+    # zeroed once, left consistent by every launch
+    grid_barrier: torch.Tensor
 
     @staticmethod
     def sizes(quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int,
@@ -491,9 +494,9 @@ class KernelBuffers:
             intermediate_bf16=rows * inter,
             row_scale=rows if quant_mode == "w4a4" else 0,
             slot_output=tokens * top_k * hidden,
-            decode_partials=DECODE_SPLITS * min(tokens * top_k, DECODE_MAX_PAIRS) * 2 * inter
+            decode_partials=DECODE_SPLITS * min(tokens * top_k, DECODE_MAX_PAIRS) * (2 * inter + hidden)
             if quant_mode == "w4a16" else 0,
-            grid_barrier=4,
+            grid_barrier=4 + min(tokens * top_k, DECODE_MAX_PAIRS) * -(-hidden // 128),
         )
 
     @classmethod
@@ -519,8 +522,19 @@ def _dummies(device: torch.device) -> dict:
             for dtype in (torch.bfloat16, torch.uint8, torch.float32)}
 
 
-def decode_kernel(kind: str) -> str:
-    return f"moe_decode_w4a16_{kind}"
+def decode_kernel(kind: str, split_gemm2: bool = False) -> str:
+    return f"moe_decode_w4a16_{kind}" + ("_split2" if split_gemm2 else "")
+
+
+def decode_splits_gemm2(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, hidden: int,
+                        inter: int, ctas: int) -> bool:
+    """Whether FUSED_DECODE takes the kernel form that also splits GEMM2's K (decode_fused.make_kernel's
+    split_gemm2): where, with a tile an expected expert hit, GEMM2's items (tile, 128 hidden rows) leave room for
+    two K ranges each in the grid and its K holds two ranges of DECODE_GEMM2_MIN_STEPS (decode_fused.splits
+    decides the ranges in the kernel from the real tiles). DeepSeek-V3 EP8 T=1 (56 items of 16 K steps) ran
+    1.19x faster split; where GEMM2 does not split the unsplit form is 1-3% faster (h200_session36_checks.md)."""
+    hit = max(1.0, expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts))
+    return ctas // math.ceil(hit * (hidden // 128)) >= 2 and inter // 128 // DECODE_GEMM2_MIN_STEPS >= 2
 
 
 def offers_fused_decode(mode: str, kind: str, fused_finalize: bool, localized: bool, tiles: tuple) -> bool:
@@ -552,8 +566,12 @@ def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pd
     n1 = problem.n1
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
     w = problem.weights
-    partials = DECODE_SPLITS * T * K * n1
-    launch(decode_kernel(problem.activation.kind), [
+    partials = DECODE_SPLITS * T * K * (n1 + H)
+    arrivals = 4 + T * K * -(-H // 128)  # decode_fused: the barrier word, then a count a GEMM2 item
+    ctas = DECODE_CTAS_PER_SM * num_sms(device)
+    split = (decode_splits_gemm2(T, K, problem.num_experts, E, H, I, ctas)
+             and has_kernel(decode_kernel(problem.activation.kind, True)))
+    launch(decode_kernel(problem.activation.kind, split), [
         _check("x", problem.x, bf16, device, T * H, 16),
         _check("token_selected_experts", problem.token_selected_experts, i32, device, T * K),
         _check("token_final_scales", problem.token_final_scales, f32, device, T * K),
@@ -565,9 +583,9 @@ def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pd
         _check("w2_alpha", problem.w2_alpha, f32, device, E),
         _check("moe_output", out, bf16, device, T * H, 16),
         _check("decode_partials", buffers.decode_partials[:partials], f32, device, partials, 16),
-        _check("grid_barrier", buffers.grid_barrier[:1], i32, device, 1),
-    ], [H, I, n1, K, E, problem.local_expert_offset, *activation_params(problem.activation),
-        DECODE_CTAS_PER_SM * num_sms(device)], enable_pdl, device)
+        _check("grid_barrier", buffers.grid_barrier[:arrivals], i32, device, arrivals),
+    ], [H, I, n1, K, E, problem.local_expert_offset, *activation_params(problem.activation), ctas], enable_pdl,
+        device)
     return out
 
 

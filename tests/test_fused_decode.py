@@ -1,7 +1,8 @@
 """The one-launch small-T forward (launcher.FUSED_DECODE, moe_ext/kernels/sm90/decode_fused.py) against the reference:
 its in-kernel routing (experts hit by several tokens, by one token twice, by more rows than one 8-row tile, ids
-outside the local range), its GEMM1 K ranges (odd step counts, fewer steps than ranges), the grid barrier across
-many launches and CUDA-graph replays. Skipped without an H100/H200 or without the kernels linked."""
+outside the local range), its GEMM1 K ranges (odd step counts, fewer steps than ranges), the GEMM2 K ranges of
+its split form, the grid barrier across many launches and CUDA-graph replays. Skipped without an H100/H200 or
+without the kernels linked."""
 
 import dataclasses
 
@@ -90,13 +91,51 @@ def test_fused_decode_grid_barrier_survives_many_launches():
     assert all(torch.equal(o, first) for o in outs)
 
 
-def test_fused_decode_in_a_captured_wrapper_replays_new_routing():
+def splits_gemm2(case) -> bool:
+    """Whether the launcher runs `case` on the kernel form that splits GEMM2's K (it must be linked)."""
+    problem = build_problem(**case.kwargs(use_fused_finalize=True))
+    ctas = launcher.DECODE_CTAS_PER_SM * launcher.num_sms(problem.device)
+    split = launcher.decode_splits_gemm2(problem.num_tokens, problem.top_k, problem.num_experts,
+                                         problem.num_local_experts, problem.hidden_size, problem.intermediate_size,
+                                         ctas)
+    return split and launcher.has_kernel(launcher.decode_kernel(problem.activation.kind, True))
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (1, 8), (3, 4), (8, 8)])
+@pytest.mark.parametrize("inter", [1024, 2944])
+def test_fused_decode_gemm2_k_ranges_match_reference(act, tokens, top_k, inter):
+    """Few GEMM2 items (4 hidden tiles a row tile) split GEMM2's 8 or 23 K steps (an odd count) in 2-5 ranges;
+    the range that arrives last sums their fp32 tiles in rank order before the fused finalize's bf16 add."""
+    case = make_case("w4a16", act, num_tokens=tokens, top_k=top_k, num_experts=16, hidden=512, inter=inter,
+                     seed=tokens * 10 + top_k + inter, invalid_fraction=0.1).to("cuda")
+    assert splits_gemm2(case)
+    check(case)
+
+
+def test_fused_decode_gemm2_k_ranges_meet_before_one_bf16_add():
+    """GEMM2's 16 K steps in 4 ranges (4 hidden tiles of a few row tiles). With one expert a token every launch
+    is bitwise the same, and 100 launches also check that the arrival counts return to zero (a stale count would
+    pick a range that arrives early, adding a partial sum)."""
+    case = make_case("w4a16", "swiglu", num_tokens=8, top_k=1, num_experts=4, hidden=512, inter=2048,
+                     seed=11).to("cuda")
+    assert splits_gemm2(case)
+    first = check(case)
+    kw = case.kwargs(use_fused_finalize=True)
+    for _ in range(100):
+        assert torch.equal(moe_ext.cute_dsl_fused_moe(**kw, tactic=FUSED), first)
+
+
+@pytest.mark.parametrize("inter", [256, 2048], ids=["gemm2_unsplit", "gemm2_split"])
+def test_fused_decode_in_a_captured_wrapper_replays_new_routing(inter):
     """The wrapper's captured forward replayed with new routing and activations each step, against an eager
     forward of the same tactic on the same inputs: they differ only in the order of the bf16 atomic adds. (Against
-    the kernel chain the bf16 intermediate also rounds differently: 5.05e-3 at one step of the H200 run.)"""
-    base = make_case("w4a16", num_tokens=4, top_k=8, num_experts=32, hidden=512, inter=256, seed=0).to("cuda")
-    wrapper = moe_ext.CuteDslMoEWrapper(32, 8, 512, 256, use_cuda_graph=True, max_num_tokens=4, quant_mode="w4a16",
-                                        device="cuda", use_fused_finalize=True)
+    the kernel chain the bf16 intermediate also rounds differently: 5.05e-3 at one step of the H200 run.) Both
+    kernel forms: the split one also leaves its arrival counts at zero for the next replay."""
+    base = make_case("w4a16", num_tokens=4, top_k=8, num_experts=32, hidden=512, inter=inter, seed=0).to("cuda")
+    assert splits_gemm2(base) == (inter == 2048)
+    wrapper = moe_ext.CuteDslMoEWrapper(32, 8, 512, inter, use_cuda_graph=True, max_num_tokens=4,
+                                        quant_mode="w4a16", device="cuda", use_fused_finalize=True)
     wrapper.run = _with_tactic(wrapper.run, FUSED)
     for step, captured, eager in replays_with_new_inputs(wrapper, base, fused=True, steps=30, tactic=FUSED):
         assert rel_l2(captured, eager) <= 5e-3, step

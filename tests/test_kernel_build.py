@@ -38,7 +38,8 @@ def test_every_shipped_kernel_compiles_for_sm90a(built_kernels):
         gemms += [f"moe_gemm2_{mode}{suffix}" for mode in ("w4a16", "w4a4_pt", "w4a8")]
     assert names == ["moe_routing", *gemms, "moe_routing_decode_nvfp4", "moe_routing_decode_mxfp8",
                      "moe_routing_decode_bf16", "moe_fc2_quant_per_token", "moe_finalize",
-                     *(f"moe_decode_w4a16_{kind}" for kind in ("swiglu", "situ", "geglu_tanh", "relu2"))]
+                     *(f"moe_decode_w4a16_{kind}{form}" for kind in ("swiglu", "situ", "geglu_tanh", "relu2")
+                       for form in ("", "_split2"))]
     table = (tmp_path / "kernel_table.inc").read_text()
     assert all(f'{{"{name}",' in table for name in names)
     for name in names:
@@ -65,6 +66,11 @@ def test_partial_rebuild_needs_a_complete_build_and_a_matching_name(tmp_path):
     (tmp_path / "kernels.txt").write_text("\n".join(name for name, _ in build.specialisations()) + "\n")
     with pytest.raises(ValueError, match="matches no kernel"):
         build.build(str(tmp_path), only="no_such_kernel")
+    # a build that lacks kernels new to this tree rebuilds them only when --only selects them
+    (tmp_path / "kernels.txt").write_text("\n".join(name for name, _ in build.specialisations()
+                                                    if not name.endswith("_split2")) + "\n")
+    with pytest.raises(ValueError, match="moe_decode_w4a16_swiglu_split2"):
+        build.build(str(tmp_path), only="moe_finalize")
 
 
 def test_partial_rebuild_selects_by_regular_expression():
@@ -358,16 +364,21 @@ def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):
         assert counts["LDL"] + counts["STL"] == 0, name
 
 
-def test_fused_decode_kernels_fit_the_instruction_cache_and_do_not_spill(built_kernels, kernel_sass):
+@pytest.mark.parametrize("form", ["", "_split2"], ids=["gemm2_unsplit", "gemm2_split"])
+def test_fused_decode_kernels_fit_the_instruction_cache_and_do_not_spill(built_kernels, kernel_sass, form):
     """The one-launch forward (decode_fused.py) runs both GEMMs through one mainloop and stages tokens in a loop:
     its first build, with two unrolled copies of everything, was 13,184 instructions and 41% of its stall samples
-    waited for instruction fetch (ncu, Qwen3-30B-A3B T=1). It must stay small and in registers."""
+    waited for instruction fetch (ncu, Qwen3-30B-A3B T=1). It must stay small and in registers. The form that
+    splits GEMM2's K carries a few more values at the 128-register cap: SwiGLU spills 6 at the phase loop's head
+    and GeGLU 13 (some in the item loop, one load an item), which session 36 measured in (1.19x faster at DeepSeek-V3
+    EP8 T=1); more would be a regression."""
     for kind in ("swiglu", "situ", "geglu_tanh", "relu2"):
-        listing = kernel_sass.sass(str(built_kernels / f"moe_decode_w4a16_{kind}.o"))
+        listing = kernel_sass.sass(str(built_kernels / f"moe_decode_w4a16_{kind}{form}.o"))
         counts = kernel_sass.opcode_counts(listing)
-        assert counts["LDL"] + counts["STL"] == 0, kind
+        assert counts["LDL"] + counts["STL"] <= (16 if form else 0), (kind, counts["LDL"] + counts["STL"])
         assert sum(counts.values()) < 6000, (kind, sum(counts.values()))
-        assert counts["ATOM"] >= 1 and counts["CCTL"] >= 1, "the grid barrier's atomic and its gpu-scope fences"
+        # the grid barrier's atomic and its gpu-scope fences; the split form's arrival counts
+        assert counts["ATOM"] >= (2 if form else 1) and counts["CCTL"] >= 1, kind
 
 
 def test_narrow_mainloop_widths_skip_whole_mma_columns():

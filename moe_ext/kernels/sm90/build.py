@@ -7,7 +7,7 @@ writes OUT_DIR/<name>.{h,o}, OUT_DIR/libcuda_dialect_runtime_static.a, OUT_DIR/k
 OUT_DIR/kernel_table.inc: for every kernel, C++ that fills the exported argument structs from a flat list of
 buffers and scalars, so the launcher dispatches any kernel by name without hand-written glue. `--only` recompiles
 just the kernels whose name contains SUBSTRING inside a copy of a complete build (an A/B variant of one kernel
-family in a second directory, in a minute instead of the whole build's five).
+family in a second directory, in a minute instead of the whole build's five; new kernels it selects are added).
 """
 from __future__ import annotations
 
@@ -70,8 +70,10 @@ def specialisations():
     specs += [("moe_fc2_quant_per_token", fc2_quant_per_token.compile_fc2_quant),
               ("moe_finalize", finalize.compile_finalize)]
     # The one-launch small-T forward (w4a16, fused finalize; launcher.FUSED_DECODE).
-    specs += [(f"moe_decode_w4a16_{kind}", functools.partial(decode_fused.compile_decode, kind))
-              for kind in activations.KINDS]
+    # and its form whose GEMM2 splits K too (decode_fused.make_kernel's split_gemm2).
+    specs += [(f"moe_decode_w4a16_{kind}" + ("_split2" if split else ""),
+               functools.partial(decode_fused.compile_decode, kind, split_gemm2=split))
+              for kind in activations.KINDS for split in (False, True)]
     return specs
 
 
@@ -96,13 +98,15 @@ def build(out_dir: str, only: str | None = None) -> list[str]:
     names = [name for name, _ in specs]
     if only is not None:
         listing = os.path.join(out_dir, "kernels.txt")
-        built = open(listing).read().split() if os.path.exists(listing) else []
-        if built != names:
-            raise ValueError(f"--only recompiles part of a complete build, but {out_dir} does not hold this tree's "
-                             f"{len(names)} kernels: build it whole first")
+        built = set(open(listing).read().split()) if os.path.exists(listing) else set()
         rebuilt = set(selected(names, only))
         if not rebuilt:
             raise ValueError(f"--only {only!r} matches no kernel")
+        missing = [name for name in names if name not in built and name not in rebuilt]
+        if missing:  # kernels new to this tree build here when --only selects them
+            raise ValueError(f"--only recompiles part of a complete build, but {out_dir} lacks {len(missing)} of this "
+                             f"tree's {len(names)} kernels (such as {missing[0]}) that {only!r} does not select: "
+                             "build it whole first")
     os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
     _load_dsl_runtime()
     os.makedirs(out_dir, exist_ok=True)

@@ -9,10 +9,13 @@ gaps and GEMM1 on only 96-192 CTAs. Here one cooperative grid, two CTAs an SM, d
   2. GEMM1: work items (row tile, 128 weight rows, K range) spread over the grid, the K ranges sized so the items
      fill it (`splits`); each writes its fp32 partial tile to `partials`;
   3. a grid-wide barrier;
-  4. GEMM2: items (row tile, 128 hidden rows); their token staging sums the K ranges' partials in rank order (as
-     the cluster split-K of gemm1.py does), applies alpha and the activation and rounds to bf16 - the FC2 input
+  4. GEMM2: items (row tile, 128 hidden rows); their token staging sums GEMM1's partials in rank order (as the
+     cluster split-K of gemm1.py does), applies alpha and the activation and rounds to bf16 - the FC2 input
      gemm1.py would have stored - and the epilogue reduce-adds the router-weighted rows into the output
-     (gemm2.py's fused finalize).
+     (gemm2.py's fused finalize: one bf16 value a pair). In the kernel's split_gemm2 form, for the few GEMM2
+     items of a long K (DeepSeek-V3's EP8 shard: 56 items of 16 steps at T=1), items also take K ranges, sized as
+     GEMM1's but of GEMM2_MIN_STEPS at least: each range leaves its fp32 tile in the workspace and the range that
+     arrives last sums them in rank order before that epilogue.
 
 Both GEMMs run one copy of stream.py's mainloop on 8-token tiles (a loop over the two phases: with a copy each and
 the staging unrolled the kernel was 13,184 instructions and 41% of its stalls waited for instruction fetch). The
@@ -35,7 +38,10 @@ from . import stream as streaming
 
 TOKENS = 8  # rows of a routing tile: one mma.sync n8 column block
 MAX_PAIRS = 64  # T * top_k the in-kernel routing holds (shared-memory arrays of this length)
-MAX_SPLITS = 8  # K ranges of a GEMM1 weight tile: the partials workspace holds this many tiles
+MAX_SPLITS = 8  # K ranges of a weight tile: the partials workspace holds this many tiles
+# GEMM2 K steps a range at least: Qwen3-30B-A3B T=1's 2 ranges of 3 steps were 1.07x slower than one
+# (h200_session36_checks.md)
+GEMM2_MIN_STEPS = 4
 # Two CTAs an SM (128 registers: the three-CTA form's 80 spill here), 2048-K token chunks, the staging not unrolled.
 CONFIG = replace(streaming.config_for(TOKENS, 1), token_elems=TOKENS * 2048, unroll_staging=False)
 BLOCK = 16  # NVFP4 weight scales
@@ -50,6 +56,7 @@ class RoutePlan(NamedTuple):
     tile_expert: cute.Tensor  # local expert of 8-row tile t
     tile_row0: cute.Tensor  # its first row
     tile_limit: cute.Tensor  # one past its last row
+    arrival: cute.Tensor  # [0]: whether this CTA's GEMM2 K range arrived last at its item (ptx.arrive_last)
 
 
 def allocate_plan() -> RoutePlan:
@@ -101,16 +108,26 @@ def route_pairs(plan: RoutePlan, tid, ids: cute.Tensor, pairs, num_experts, offs
     return tiles
 
 
-def splits(ctas, items, steps):
-    """GEMM1 K ranges per weight tile: as many as keep `items` x ranges within the grid, each range at least two
-    128-K steps, at most MAX_SPLITS."""
+def splits(ctas, items, steps, min_steps):
+    """K ranges per weight tile: as many as keep `items` x ranges within the grid, each range at least `min_steps`
+    128-K steps, at most MAX_SPLITS (the partials workspace holds that many tiles a row)."""
     s = cute.math.max(Int32(1), ctas // cute.math.max(Int32(1), items))
-    return cute.math.max(Int32(1), cute.math.min(cute.math.min(s, Int32(MAX_SPLITS)), steps // 2))
+    return cute.math.max(Int32(1), cute.math.min(cute.math.min(s, Int32(MAX_SPLITS)), steps // min_steps))
 
 
-def make_kernel(kind: str, gemms: tuple = (True, True)):
+def gemm2_partial(partials: cute.Tensor, pairs, n1, hidden, rank, row, col) -> Int64:
+    """Address of GEMM2 K range `rank`'s fp32 partial at (sorted row, hidden column), after GEMM1's MAX_SPLITS
+    ranges of n1 columns. Made at each use from the kernel's parameters: kept live across the item loop, the
+    addresses cost registers the two-CTA form does not have."""
+    return partials.iterator.toint() + (Int64(MAX_SPLITS * pairs) * Int64(n1) + Int64(rank * pairs + row) * Int64(
+        hidden) + Int64(col)) * 4
+
+
+def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = False):
     """gemms: which GEMM phases run their items (a timing variant without one of them times the rest of the
-    kernel: benchmarks/decode_phase_variants.py); the routing, the zeroing and the grid barrier always run."""
+    kernel: benchmarks/decode_phase_variants.py); the routing, the zeroing and the grid barrier always run.
+    split_gemm2: GEMM2 items split K too (GEMM2_MIN_STEPS). A separate build: the arrival and the sum of the
+    ranges cost the unsplit kernel 1-3% where it does not split (h200_session36_checks.md)."""
     gated = kind != "relu2"
     cfg = CONFIG
     threads = cfg.threads
@@ -127,14 +144,15 @@ def make_kernel(kind: str, gemms: tuple = (True, True)):
         cta, _, _ = cute.arch.block_idx()
         sm = streaming.allocate(TOKENS, cfg)
         plan = allocate_plan()
+        out_tile = sm.out  # written below inside run-time branches, which would otherwise carry all of `sm`
         by_top_k = ptx.division_magic(top_k)
         x_address = x_bf16.iterator.toint()
-        partial0 = partials.iterator.toint()
+        partial0 = partials.iterator.toint()  # GEMM1's K ranges' tiles, then GEMM2's (tile_partial below)
         out_address = out.iterator.toint()
         cute.arch.griddepcontrol_wait()
         pairs = cute.size(token_selected_experts)
         tiles = route_pairs(plan, tid, token_selected_experts, pairs, num_experts, expert_offset)
-        s1 = splits(ctas, tiles * (n1 // cfg.rows), hidden // cfg.k_step)
+        s1 = splits(ctas, tiles * (n1 // cfg.rows), hidden // cfg.k_step, 2)
         a_row = tid // (threads // TOKENS)  # the epilogues' accumulator row and first column
         c0 = (tid % (threads // TOKENS)) * out_cols
 
@@ -154,7 +172,10 @@ def make_kernel(kind: str, gemms: tuple = (True, True)):
                 cute.arch.sync_threads()
             rows_per_expert = Int32(cutlass.select_(gemm2, hidden, n1))
             k_extent = Int32(cutlass.select_(gemm2, inter, hidden))
-            ranges = Int32(cutlass.select_(gemm2, Int32(1), s1))
+            s2 = Int32(1)
+            if cutlass.const_expr(split_gemm2):  # made per phase: fewer live registers
+                s2 = splits(ctas, tiles * (hidden // cfg.rows), inter // cfg.k_step, GEMM2_MIN_STEPS)
+            ranges = Int32(cutlass.select_(gemm2, s2, s1))
             per_tile = rows_per_expert // cfg.rows * ranges
             w_sf = Int64(cutlass.select_(gemm2, w2_sf.iterator.toint(), w1_sf.iterator.toint()))
             w_map = Int64(cutlass.select_(gemm2, w2_map.get_ptr().toint(), w1_map.get_ptr().toint()))
@@ -206,7 +227,32 @@ def make_kernel(kind: str, gemms: tuple = (True, True)):
 
                 streaming.accumulate(sm, tid, w_sf, w_map, expert, n_tile * cfg.rows, rows_per_expert, k_extent,
                                      rank, ranges, limit - row0, TOKENS, cfg, BLOCK, load_group, cluster_reduce=False)
-                if a_row < limit - row0:
+                last = Int32(1)  # whether this item's epilogue runs: split GEMM2 K ranges meet in the last
+                if cutlass.const_expr(split_gemm2):
+                    if gemm2 and ranges > 1:  # the range arriving last adds up the ranges' fp32 tiles in rank order
+                        live = a_row < limit - row0
+                        if live:
+                            ptx.write_words(gemm2_partial(partials, pairs, n1, hidden, rank, row0 + a_row,
+                                                          n_tile * cfg.rows + c0),
+                                            [sm.out[a_row, c0 + i].bitcast(Int32) for i in range(out_cols)])
+                        cute.arch.sync_threads()
+                        if tid == 0:  # a u32 a GEMM2 item (row tile, hidden tile) after the grid barrier's word
+                            plan.arrival[0] = ptx.arrive_last(
+                                barrier.iterator.toint() + Int64(4 + t * (hidden // cfg.rows) + n_tile) * 4, ranges)
+                        cute.arch.sync_threads()
+                        last = plan.arrival[0]
+                        if last == 1 and live:
+                            for i in cutlass.range_constexpr(out_cols):
+                                out_tile[a_row, c0 + i] = Float32(0.0)
+                            for rank_in in cutlass.range(ranges, unroll=1):
+                                address = gemm2_partial(partials, pairs, n1, hidden, rank_in, row0 + a_row,
+                                                        n_tile * cfg.rows + c0)
+                                for q in cutlass.range_constexpr(out_cols // 4):
+                                    v = ptx.ld_global_cg_v4(address + q * 16)
+                                    for i in cutlass.range_constexpr(4):
+                                        out_tile[a_row, c0 + q * 4 + i] = out_tile[a_row, c0 + q * 4 + i] + v[
+                                            i].bitcast(Float32)
+                if a_row < limit - row0 and last == 1:
                     if gemm2:
                         pair = plan.row_pair[row0 + a_row]
                         scale = w2_alpha[expert] * token_final_scales[pair]
@@ -240,12 +286,13 @@ def make_kernel(kind: str, gemms: tuple = (True, True)):
     return launch
 
 
-def compile_decode(kind: str, options: str, gemms: tuple = (True, True)):
+def compile_decode(kind: str, options: str, gemms: tuple = (True, True), split_gemm2: bool = False):
     from .fake_args import vector
 
     u8 = cutlass.Uint8
     return cute.compile(
-        make_kernel(kind, gemms), vector(BFloat16, 16), vector(Int32), vector(Float32), vector(u8, 16), vector(u8, 16),
-        vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32), vector(BFloat16, 16), vector(Float32, 16),
-        vector(Int32), Int32(128), Int32(128), Int32(256), Int32(1), Int32(1), Int32(0), Float32(0), Float32(0),
-        Float32(0), Float32(0), Int32(1), cutlass.Boolean(True), cuda.CUstream(0), options=options)
+        make_kernel(kind, gemms, split_gemm2), vector(BFloat16, 16), vector(Int32), vector(Float32), vector(u8, 16),
+        vector(u8, 16), vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32), vector(BFloat16, 16),
+        vector(Float32, 16), vector(Int32), Int32(128), Int32(128), Int32(256), Int32(1), Int32(1), Int32(0),
+        Float32(0), Float32(0), Float32(0), Float32(0), Int32(1), cutlass.Boolean(True), cuda.CUstream(0),
+        options=options)

@@ -169,6 +169,18 @@ def grid_barrier(counter: Int64, leader, ctas: Int32, *, loc=None, ip=None) -> N
 
 
 @dsl_user_op
+def arrive_last(counter: Int64, arrivals: Int32, *, loc=None, ip=None) -> Int32:
+    """One thread a CTA (after a CTA barrier) counts an arrival on the u32 at `counter`: 1 for the last of
+    `arrivals`, which also resets the word to 0 for the next launch, else 0. The gpu-scope fences publish each
+    arriving CTA's earlier global writes and give the last one everything the others wrote before arriving."""
+    return Int32(_asm(1, [Int64(counter), Int32(arrivals)],
+                      "{ .reg .u32 old; .reg .pred last; fence.acq_rel.gpu; "
+                      "atom.add.acq_rel.gpu.u32 old, [$1], 1; add.u32 old, old, 1; setp.eq.u32 last, old, $2; "
+                      "@last st.relaxed.gpu.u32 [$1], 0; @last fence.acq_rel.gpu; selp.u32 $0, 1, 0, last; }",
+                      "=r,l,r,~{memory}", side_effects=True))
+
+
+@dsl_user_op
 def prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
     """Bytes of (b:a) picked by the four nibbles of `selector`."""
     return Int32(_asm(1, [Int32(a), Int32(b)], f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r"))
