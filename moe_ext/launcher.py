@@ -280,6 +280,11 @@ DECODE_MAX_PAIRS = 64  # decode_fused.MAX_PAIRS
 DECODE_SPLITS = 8  # decode_fused.MAX_SPLITS: GEMM1 partial tiles a weight tile may leave in the workspace
 DECODE_CTAS_PER_SM = 2  # decode_fused.CONFIG.ctas_per_sm: the cooperative grid
 DECODE_GEMM2_MIN_STEPS = 4  # decode_fused.GEMM2_MIN_STEPS: 128-K steps of a GEMM2 K range at least
+# Whether FUSED_DECODE may take the form that splits GEMM2's K (decode_fused's split_gemm2) where
+# decode_splits_gemm2 says so. Off until tests/test_fused_decode.py has run on this build of it on an H200: session
+# 36 measured and tested its first build (K ranges decided in the one kernel) and lost the device before the
+# tests of this one, a separate kernel form, could run.
+DECODE_SPLIT_GEMM2 = False
 # Whether the untuned heuristic may pick FUSED_DECODE (default_tactic's `fused_decode`): on since session 35 ran
 # tests/test_fused_decode.py on the fixed build (h200_session35_checks.md).
 DEFAULT_FUSED_DECODE = True
@@ -531,8 +536,10 @@ def decode_splits_gemm2(num_tokens: int, top_k: int, num_experts: int, num_local
     """Whether FUSED_DECODE takes the kernel form that also splits GEMM2's K (decode_fused.make_kernel's
     split_gemm2): where, with a tile an expected expert hit, GEMM2's items (tile, 128 hidden rows) leave room for
     two K ranges each in the grid and its K holds two ranges of DECODE_GEMM2_MIN_STEPS (decode_fused.splits
-    decides the ranges in the kernel from the real tiles). DeepSeek-V3 EP8 T=1 (56 items of 16 K steps) ran
-    1.19x faster split; where GEMM2 does not split the unsplit form is 1-3% faster (h200_session36_checks.md)."""
+    decides the ranges in the kernel from the real tiles). Session 36's first build, one kernel deciding at run
+    time, against the unsplit kernel (graph replays, h200_session36_checks.md): DeepSeek-V3 EP8 T=1 31.1 -> 26.5 µs
+    (56 items of 16 K steps), T=2 1.04x, gpt-oss-120b T=1 1.12x, Mixtral T=1 / 2 1.67x / 1.24x; Qwen3-30B-A3B T=1
+    (2 ranges of 3 steps) 0.93x, and 0.97-0.99x wherever GEMM2 did not split: hence a form of its own."""
     hit = max(1.0, expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts))
     return ctas // math.ceil(hit * (hidden // 128)) >= 2 and inter // 128 // DECODE_GEMM2_MIN_STEPS >= 2
 
@@ -569,7 +576,7 @@ def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pd
     partials = DECODE_SPLITS * T * K * (n1 + H)
     arrivals = 4 + T * K * -(-H // 128)  # decode_fused: the barrier word, then a count a GEMM2 item
     ctas = DECODE_CTAS_PER_SM * num_sms(device)
-    split = (decode_splits_gemm2(T, K, problem.num_experts, E, H, I, ctas)
+    split = (DECODE_SPLIT_GEMM2 and decode_splits_gemm2(T, K, problem.num_experts, E, H, I, ctas)
              and has_kernel(decode_kernel(problem.activation.kind, True)))
     launch(decode_kernel(problem.activation.kind, split), [
         _check("x", problem.x, bf16, device, T * H, 16),

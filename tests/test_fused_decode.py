@@ -91,6 +91,12 @@ def test_fused_decode_grid_barrier_survives_many_launches():
     assert all(torch.equal(o, first) for o in outs)
 
 
+@pytest.fixture
+def split_gemm2(monkeypatch):
+    """The launcher allowed to take the kernel form that splits GEMM2's K (launcher.DECODE_SPLIT_GEMM2)."""
+    monkeypatch.setattr(launcher, "DECODE_SPLIT_GEMM2", True)
+
+
 def splits_gemm2(case) -> bool:
     """Whether the launcher runs `case` on the kernel form that splits GEMM2's K (it must be linked)."""
     problem = build_problem(**case.kwargs(use_fused_finalize=True))
@@ -98,13 +104,14 @@ def splits_gemm2(case) -> bool:
     split = launcher.decode_splits_gemm2(problem.num_tokens, problem.top_k, problem.num_experts,
                                          problem.num_local_experts, problem.hidden_size, problem.intermediate_size,
                                          ctas)
-    return split and launcher.has_kernel(launcher.decode_kernel(problem.activation.kind, True))
+    return launcher.DECODE_SPLIT_GEMM2 and split and launcher.has_kernel(launcher.decode_kernel(problem.activation.kind,
+                                                                                                True))
 
 
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (1, 8), (3, 4), (8, 8)])
 @pytest.mark.parametrize("inter", [1024, 2944])
-def test_fused_decode_gemm2_k_ranges_match_reference(act, tokens, top_k, inter):
+def test_fused_decode_gemm2_k_ranges_match_reference(split_gemm2, act, tokens, top_k, inter):
     """Few GEMM2 items (4 hidden tiles a row tile) split GEMM2's 8 or 23 K steps (an odd count) in 2-5 ranges;
     the range that arrives last sums their fp32 tiles in rank order before the fused finalize's bf16 add."""
     case = make_case("w4a16", act, num_tokens=tokens, top_k=top_k, num_experts=16, hidden=512, inter=inter,
@@ -113,7 +120,7 @@ def test_fused_decode_gemm2_k_ranges_match_reference(act, tokens, top_k, inter):
     check(case)
 
 
-def test_fused_decode_gemm2_k_ranges_meet_before_one_bf16_add():
+def test_fused_decode_gemm2_k_ranges_meet_before_one_bf16_add(split_gemm2):
     """GEMM2's 16 K steps in 4 ranges (4 hidden tiles of a few row tiles). With one expert a token every launch
     is bitwise the same, and 100 launches also check that the arrival counts return to zero (a stale count would
     pick a range that arrives early, adding a partial sum)."""
@@ -127,7 +134,7 @@ def test_fused_decode_gemm2_k_ranges_meet_before_one_bf16_add():
 
 
 @pytest.mark.parametrize("inter", [256, 2048], ids=["gemm2_unsplit", "gemm2_split"])
-def test_fused_decode_in_a_captured_wrapper_replays_new_routing(inter):
+def test_fused_decode_in_a_captured_wrapper_replays_new_routing(split_gemm2, inter):
     """The wrapper's captured forward replayed with new routing and activations each step, against an eager
     forward of the same tactic on the same inputs: they differ only in the order of the bf16 atomic adds. (Against
     the kernel chain the bf16 intermediate also rounds differently: 5.05e-3 at one step of the H200 run.) Both

@@ -396,3 +396,21 @@ def test_hopper_default_tactic_takes_the_fused_decode_where_gemm1_fits_one_tile_
     assert default(1, 2, 8, 8, 28672, 4096) != fused  # Mixtral T=1: 2 x 224
     assert default(64, 1, 4096, 4096, 128, 128) == fused  # 64 (token, expert) pairs fit the kernel's routing ...
     assert default(72, 1, 4096, 4096, 128, 128) != fused  # ... 72 do not
+
+
+def test_fused_decode_splits_gemm2_where_few_items_of_a_long_k_leave_the_grid_idle():
+    """The split-GEMM2 form where the expected GEMM2 items (a tile an expert hit x 128 hidden rows) leave room for
+    two K ranges of 4+ steps each on the two-CTA grid of 132 SMs: the points session 36 measured faster split
+    (DeepSeek-V3 EP8 T=1 / 2, gpt-oss-120b T=1, Mixtral T=1 / 2), not those it measured slower (Qwen3-30B-A3B T=1:
+    its 6 K steps make ranges of 3; every shape from T=4, where the items fill the grid)."""
+    from moe_ext import launcher
+
+    def split(T, top_k, experts, local, hidden, inter):
+        return launcher.decode_splits_gemm2(T, top_k, experts, local, hidden, inter, 264)
+
+    assert [split(T, 8, 256, 32, 7168, 2048) for T in (1, 2, 4, 8)] == [True, True, False, False]  # EP8
+    assert [split(T, 4, 128, 128, 2880, 2880) for T in (1, 2)] == [True, False]  # gpt-oss-120b
+    assert [split(T, 2, 8, 8, 4096, 14336) for T in (1, 2, 4)] == [True, True, False]  # Mixtral
+    assert not any(split(T, 8, 128, 128, 2048, 768) for T in (1, 2, 4, 8))  # Qwen3-30B-A3B
+    assert not split(1, 8, 256, 256, 7168, 2048)  # DeepSeek-V3: 8 x 56 items
+    assert not split(1, 1, 4, 4, 512, 896)  # 7 K steps: one range of 4 at most
