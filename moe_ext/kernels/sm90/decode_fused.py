@@ -147,7 +147,7 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
         out_tile = sm.out  # written below inside run-time branches, which would otherwise carry all of `sm`
         by_top_k = ptx.division_magic(top_k)
         x_address = x_bf16.iterator.toint()
-        partial0 = partials.iterator.toint()  # GEMM1's K ranges' tiles, then GEMM2's (tile_partial below)
+        partial0 = partials.iterator.toint()  # GEMM1's K ranges' tiles, then GEMM2's (gemm2_partial)
         out_address = out.iterator.toint()
         cute.arch.griddepcontrol_wait()
         pairs = cute.size(token_selected_experts)
