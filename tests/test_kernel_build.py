@@ -369,13 +369,13 @@ def test_fused_decode_kernels_fit_the_instruction_cache_and_do_not_spill(built_k
     """The one-launch forward (decode_fused.py) runs both GEMMs through one mainloop and stages tokens in a loop:
     its first build, with two unrolled copies of everything, was 13,184 instructions and 41% of its stall samples
     waited for instruction fetch (ncu, Qwen3-30B-A3B T=1). It must stay small and in registers. The form that
-    splits GEMM2's K carries a few more values at the 128-register cap: SwiGLU spills 6 at the phase loop's head
-    and GeGLU 13 (some in the item loop, one load an item), which session 36 measured in (1.19x faster at DeepSeek-V3
-    EP8 T=1); more would be a regression."""
+    splits GEMM2's K carries a few more values at the 128-register cap (its scalars already go through shared
+    memory): SwiGLU keeps 4 local-memory ops and GeGLU 6, stores before the phase loop, a reload at its head and
+    one 64-bit reload an item, none in the mainloop; more would be a regression."""
     for kind in ("swiglu", "situ", "geglu_tanh", "relu2"):
         listing = kernel_sass.sass(str(built_kernels / f"moe_decode_w4a16_{kind}{form}.o"))
         counts = kernel_sass.opcode_counts(listing)
-        assert counts["LDL"] + counts["STL"] <= (16 if form else 0), (kind, counts["LDL"] + counts["STL"])
+        assert counts["LDL"] + counts["STL"] <= (6 if form else 0), (kind, counts["LDL"] + counts["STL"])
         assert sum(counts.values()) < 6000, (kind, sum(counts.values()))
         # the grid barrier's atomic and its gpu-scope fences; the split form's arrival counts
         assert counts["ATOM"] >= (2 if form else 1) and counts["CCTL"] >= 1, kind

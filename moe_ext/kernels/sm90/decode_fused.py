@@ -56,7 +56,10 @@ class RoutePlan(NamedTuple):
     tile_expert: cute.Tensor  # local expert of 8-row tile t
     tile_row0: cute.Tensor  # its first row
     tile_limit: cute.Tensor  # one past its last row
-    arrival: cute.Tensor  # [0]: whether this CTA's GEMM2 K range arrived last at its item (ptx.arrive_last)
+    # The split_gemm2 form's scalars, read back where used rather than held in registers across loops (at the
+    # 128-register cap they spilled to local memory): [0] whether this CTA's GEMM2 K range arrived last at its
+    # item (ptx.arrive_last), [1] the item's arrival count, [2] GEMM2's K ranges at most (GEMM2_MIN_STEPS each).
+    arrival: cute.Tensor
 
 
 def allocate_plan() -> RoutePlan:
@@ -151,6 +154,9 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
         out_address = out.iterator.toint()
         cute.arch.griddepcontrol_wait()
         pairs = cute.size(token_selected_experts)
+        if cutlass.const_expr(split_gemm2):
+            if tid == 0:
+                plan.arrival[2] = inter // cfg.k_step // GEMM2_MIN_STEPS
         tiles = route_pairs(plan, tid, token_selected_experts, pairs, num_experts, expert_offset)
         s1 = splits(ctas, tiles * (n1 // cfg.rows), hidden // cfg.k_step, 2)
         a_row = tid // (threads // TOKENS)  # the epilogues' accumulator row and first column
@@ -174,7 +180,7 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
             k_extent = Int32(cutlass.select_(gemm2, inter, hidden))
             s2 = Int32(1)
             if cutlass.const_expr(split_gemm2):  # made per phase: fewer live registers
-                s2 = splits(ctas, tiles * (hidden // cfg.rows), inter // cfg.k_step, GEMM2_MIN_STEPS)
+                s2 = splits(ctas, tiles * (hidden // cfg.rows), plan.arrival[2], 1)
             ranges = Int32(cutlass.select_(gemm2, s2, s1))
             per_tile = rows_per_expert // cfg.rows * ranges
             w_sf = Int64(cutlass.select_(gemm2, w2_sf.iterator.toint(), w1_sf.iterator.toint()))
@@ -225,6 +231,9 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                             words[i] = v[i]
                     return streaming.bf16x8_to_tile([words[i] for i in range(4)]), valid
 
+                if cutlass.const_expr(split_gemm2):
+                    if tid == 0:  # only thread 0 arrives (below)
+                        plan.arrival[1] = t * (hidden // cfg.rows) + n_tile
                 streaming.accumulate(sm, tid, w_sf, w_map, expert, n_tile * cfg.rows, rows_per_expert, k_extent,
                                      rank, ranges, limit - row0, TOKENS, cfg, BLOCK, load_group, cluster_reduce=False)
                 last = Int32(1)  # whether this item's epilogue runs: split GEMM2 K ranges meet in the last
@@ -238,7 +247,7 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                         cute.arch.sync_threads()
                         if tid == 0:  # a u32 a GEMM2 item (row tile, hidden tile) after the grid barrier's word
                             plan.arrival[0] = ptx.arrive_last(
-                                barrier.iterator.toint() + Int64(4 + t * (hidden // cfg.rows) + n_tile) * 4, ranges)
+                                barrier.iterator.toint() + Int64(4 + plan.arrival[1]) * 4, ranges)
                         cute.arch.sync_threads()
                         last = plan.arrival[0]
                         if last == 1 and live:
