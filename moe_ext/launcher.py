@@ -499,9 +499,9 @@ class KernelBuffers:
             intermediate_bf16=rows * inter,
             row_scale=rows if quant_mode == "w4a4" else 0,
             slot_output=tokens * top_k * hidden,
-            decode_partials=DECODE_SPLITS * min(tokens * top_k, DECODE_MAX_PAIRS) * (2 * inter + hidden)
+            decode_partials=decode_partial_floats(min(tokens * top_k, DECODE_MAX_PAIRS), 2 * inter, hidden)
             if quant_mode == "w4a16" else 0,
-            grid_barrier=4 + min(tokens * top_k, DECODE_MAX_PAIRS) * -(-hidden // 128),
+            grid_barrier=decode_barrier_words(min(tokens * top_k, DECODE_MAX_PAIRS), hidden),
         )
 
     @classmethod
@@ -529,6 +529,18 @@ def _dummies(device: torch.device) -> dict:
 
 def decode_kernel(kind: str, split_gemm2: bool = False) -> str:
     return f"moe_decode_w4a16_{kind}" + ("_split2" if split_gemm2 else "")
+
+
+def decode_partial_floats(pairs: int, n1: int, hidden: int) -> int:
+    """FUSED_DECODE's fp32 workspace for `pairs` rows: GEMM1's DECODE_SPLITS K ranges of n1 columns, then GEMM2's
+    of `hidden` (decode_fused.gemm2_partial)."""
+    return DECODE_SPLITS * pairs * (n1 + hidden)
+
+
+def decode_barrier_words(pairs: int, hidden: int) -> int:
+    """FUSED_DECODE's u32 words: the grid barrier's (4), then an arrival count a GEMM2 item (row tile, 128 hidden
+    rows) of the split form; at most `pairs` row tiles."""
+    return 4 + pairs * -(-hidden // 128)
 
 
 def decode_splits_gemm2(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, hidden: int,
@@ -560,6 +572,17 @@ def fits_fused_decode(problem) -> bool:
             and 0 < problem.num_tokens * problem.top_k <= DECODE_MAX_PAIRS)
 
 
+def decode_kernel_for(problem) -> str:
+    """The FUSED_DECODE kernel form `problem` launches: the one that splits GEMM2's K where DECODE_SPLIT_GEMM2 allows
+    it, decode_splits_gemm2 expects it to pay and it is linked, else the unsplit one."""
+    kind = problem.activation.kind
+    ctas = DECODE_CTAS_PER_SM * num_sms(problem.device)
+    split = (DECODE_SPLIT_GEMM2 and has_kernel(decode_kernel(kind, True))
+             and decode_splits_gemm2(problem.num_tokens, problem.top_k, problem.num_experts,
+                                     problem.num_local_experts, problem.hidden_size, problem.intermediate_size, ctas))
+    return decode_kernel(kind, split)
+
+
 def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pdl: bool) -> torch.Tensor:
     """The whole forward as one cooperative launch (FUSED_DECODE; moe_ext/kernels/sm90/decode_fused.py): no
     routing maps, no memset node; the kernel zeroes `out` itself before its fused finalize adds into it."""
@@ -573,12 +596,9 @@ def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pd
     n1 = problem.n1
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
     w = problem.weights
-    partials = DECODE_SPLITS * T * K * (n1 + H)
-    arrivals = 4 + T * K * -(-H // 128)  # decode_fused: the barrier word, then a count a GEMM2 item
-    ctas = DECODE_CTAS_PER_SM * num_sms(device)
-    split = (DECODE_SPLIT_GEMM2 and decode_splits_gemm2(T, K, problem.num_experts, E, H, I, ctas)
-             and has_kernel(decode_kernel(problem.activation.kind, True)))
-    launch(decode_kernel(problem.activation.kind, split), [
+    partials = decode_partial_floats(T * K, n1, H)
+    arrivals = decode_barrier_words(T * K, H)
+    launch(decode_kernel_for(problem), [
         _check("x", problem.x, bf16, device, T * H, 16),
         _check("token_selected_experts", problem.token_selected_experts, i32, device, T * K),
         _check("token_final_scales", problem.token_final_scales, f32, device, T * K),
@@ -591,8 +611,8 @@ def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pd
         _check("moe_output", out, bf16, device, T * H, 16),
         _check("decode_partials", buffers.decode_partials[:partials], f32, device, partials, 16),
         _check("grid_barrier", buffers.grid_barrier[:arrivals], i32, device, arrivals),
-    ], [H, I, n1, K, E, problem.local_expert_offset, *activation_params(problem.activation), ctas], enable_pdl,
-        device)
+    ], [H, I, n1, K, E, problem.local_expert_offset, *activation_params(problem.activation),
+        DECODE_CTAS_PER_SM * num_sms(device)], enable_pdl, device)
     return out
 
 

@@ -98,14 +98,8 @@ def split_gemm2(monkeypatch):
 
 
 def splits_gemm2(case) -> bool:
-    """Whether the launcher runs `case` on the kernel form that splits GEMM2's K (it must be linked)."""
-    problem = build_problem(**case.kwargs(use_fused_finalize=True))
-    ctas = launcher.DECODE_CTAS_PER_SM * launcher.num_sms(problem.device)
-    split = launcher.decode_splits_gemm2(problem.num_tokens, problem.top_k, problem.num_experts,
-                                         problem.num_local_experts, problem.hidden_size, problem.intermediate_size,
-                                         ctas)
-    return launcher.DECODE_SPLIT_GEMM2 and split and launcher.has_kernel(launcher.decode_kernel(problem.activation.kind,
-                                                                                                True))
+    """Whether the launcher runs `case` on the kernel form that splits GEMM2's K."""
+    return launcher.decode_kernel_for(build_problem(**case.kwargs(use_fused_finalize=True))).endswith("_split2")
 
 
 @pytest.mark.parametrize("act", ACTS)
