@@ -1,40 +1,59 @@
-"""Timing variants of the one-launch forward (moe_ext/kernels/sm90/decode_fused.py), built here without a GPU: each
-skips one or both GEMM phases' items (routing, zeroing and the grid barrier always run) and is exported under the
-shipped kernel's name, so an overlay folder of it swaps it into a complete kernel build. Whole-forward times of
-the variants (wrong outputs, right schedule) split a forward into its phases by difference:
+"""Measurement variants of the one-launch forward (moe_ext/kernels/sm90/decode_fused.py), built here without a GPU
+and exported under the shipped kernels' names, so an overlay folder of one swaps it into a complete kernel build.
+
+Phase variants skip one or both GEMM phases' items (routing, zeroing and the grid barrier always run); whole-forward
+times of the variants (wrong outputs, right schedule) split a forward into its phases by difference:
 
     python3 benchmarks/decode_phase_variants.py .kernels_phase        # writes .kernels_phase/<variant>/*.{h,o}
     # on the H200, for each variant v: a copy of a complete build with .kernels_phase/v/* over it, then
     AB_DIRS=".kernels_full .kernels_no_gemm2 .kernels_no_gemm1 .kernels_neither" AB_BENCH_TACTIC=8,-3,-3 \\
         AB_SHAPES=qwen3-30b-a3b,deepseek-v3-ep8,deepseek-v3 AB_TOKENS=1,8 AB_ENERGY_SECONDS=0 \\
         OUT=$OUT bash scripts/gpu_check.sh ab_bench
+
+The timeline variant is the full kernel, both forms (unsplit and split_gemm2), writing each CTA's timeline
+(decode_fused.TIMELINE) past the barrier words; benchmarks/decode_timeline.py runs it and reads them:
+
+    python3 benchmarks/decode_phase_variants.py .kernels_phase --variants timeline
 """
 import argparse
 import os
 import sys
 import time
 
-VARIANTS = {"full": (True, True), "no_gemm2": (True, False), "no_gemm1": (False, True), "neither": (False, False)}
+# variant -> (decode_fused.compile_decode keyword arguments of each exported form)
+VARIANTS = {
+    "full": [dict(gemms=(True, True))],
+    "no_gemm2": [dict(gemms=(True, False))],
+    "no_gemm1": [dict(gemms=(False, True))],
+    "neither": [dict(gemms=(False, False))],
+    "timeline": [dict(timeline=True), dict(timeline=True, split_gemm2=True)],
+}
+PHASES = "full,no_gemm2,no_gemm1,neither"
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
     parser.add_argument("--kinds", default="swiglu", help="activations to build (comma-separated)")
+    parser.add_argument("--variants", default=PHASES, help=f"comma-separated, of {', '.join(VARIANTS)}")
     args = parser.parse_args()
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from moe_ext import launcher
     from moe_ext.kernels.sm90 import build, decode_fused
 
     build._load_dsl_runtime()
-    for variant, gemms in VARIANTS.items():
+    for variant in args.variants.split(","):
+        if variant not in VARIANTS:
+            raise SystemExit(f"--variants: unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
         folder = os.path.join(args.out_dir, variant)
         os.makedirs(folder, exist_ok=True)
         for kind in args.kinds.split(","):
-            name = f"moe_decode_w4a16_{kind}"
-            start = time.perf_counter()
-            compiled = decode_fused.compile_decode(kind, f"--gpu-arch {build.ARCH}", gemms)
-            compiled.export_to_c(file_path=folder, file_name=name, function_prefix=name)
-            print(f"{variant}: {name} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+            for form in VARIANTS[variant]:
+                name = launcher.decode_kernel(kind, form.get("split_gemm2", False))
+                start = time.perf_counter()
+                compiled = decode_fused.compile_decode(kind, f"--gpu-arch {build.ARCH}", **form)
+                compiled.export_to_c(file_path=folder, file_name=name, function_prefix=name)
+                print(f"{variant}: {name} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
 
 if __name__ == "__main__":

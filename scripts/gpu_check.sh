@@ -24,6 +24,7 @@
 #              $SWEEP_TOKENS and $SWEEP_SHAPES narrow it
 #   prefill:   per-kernel profile of the default tactic at T=4096 on five shapes (the wgmma GEMMs)
 #   prefill_ncu: ncu sections of the wgmma GEMMs at $PREFILL_POINTS (default mixtral-8x7b:4096)
+#   timeline:  decode_fused's per-CTA timeline (its timeline build, benchmarks/decode_timeline.py) at decode points
 #   ncu_source: ncu --set full of the first $NCU_KERNEL launch at each of $NCU_POINTS: details and per-SASS stalls
 #              ($NCU_PROFILE_ARGS go to profile_kernels.py, e.g. "--min-local-pairs 1" for EP8 at T=1)
 #   routing_cost: graph replays with and without the routing launch at small T ($ROUTING_POINTS), into $OUT
@@ -66,9 +67,10 @@ export MOE_EXT_KERNEL_DIR=${MOE_EXT_KERNEL_DIR:-$PWD/.kernels}
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } > "$LOG/env.txt" 2>&1
 : > "$OUT/summary.txt"
-# ab_wgmma and ab_bench install each of their directories themselves, formats needs no launcher (it JIT-compiles
+# ab_wgmma, ab_bench and timeline install their directories themselves, formats needs no launcher (it JIT-compiles
 # its kernels) and tma_stream only nvcc: alone, none of them installs the default one first.
-if [ "$PARTS" != ab_wgmma ] && [ "$PARTS" != ab_bench ] && [ "$PARTS" != formats ] && [ "$PARTS" != tma_stream ]; then
+if [ "$PARTS" != ab_wgmma ] && [ "$PARTS" != ab_bench ] && [ "$PARTS" != formats ] && [ "$PARTS" != tma_stream ] \
+   && [ "$PARTS" != timeline ]; then
   MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install.log" 2>&1
   echo "install rc=$?" | tee -a "$OUT/summary.txt"
 fi
@@ -247,6 +249,18 @@ elif [ "$PART" = prefill_ncu ]; then  # what bounds the wgmma GEMMs: pipes, shar
     --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
     --section SchedulerStats --section WarpStateStats --section Occupancy \
     python3 benchmarks/profile_kernels.py --points ${PREFILL_POINTS:-mixtral-8x7b:4096} --ncu
+elif [ "$PART" = timeline ]; then  # decode_fused's per-CTA timeline (benchmarks/decode_timeline.py) from the build
+  # $TIMELINE_DIR (default .kernels+.kernels_phase/timeline), at $TIMELINE_POINTS, then the split_gemm2 form at
+  # $TIMELINE_SPLIT_POINTS; reinstalls $MOE_EXT_KERNEL_DIR after (unless alone)
+  dir=$(kernel_dir "${TIMELINE_DIR:-.kernels+.kernels_phase/timeline}")
+  MOE_EXT_KERNEL_DIR=$dir MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_timeline.log" 2>&1
+  echo "install $dir rc=$?" | tee -a "$OUT/summary.txt"
+  step timeline 200 python3 benchmarks/decode_timeline.py --out "$OUT/decode_timeline.json" \
+    --points "${TIMELINE_POINTS:-qwen3-30b-a3b:1,deepseek-v3-ep8:1,gpt-oss-120b:1,mixtral-8x7b:1,qwen3-30b-a3b:2}"
+  step timeline_split2 150 python3 benchmarks/decode_timeline.py --split-gemm2 \
+    --out "$OUT/decode_timeline_split2.json" --points "${TIMELINE_SPLIT_POINTS:-deepseek-v3-ep8:1,gpt-oss-120b:1,mixtral-8x7b:1}"
+  cp "$LOG/timeline.log" "$LOG/timeline_split2.log" "$OUT/" 2>/dev/null
+  [ "$PARTS" = timeline ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
 elif [ "$PART" = ncu_source ]; then  # full ncu set + per-SASS stall samples of $NCU_KERNEL at each of $NCU_POINTS
   for pt in ${NCU_POINTS:-deepseek-v3:1024}; do
     rep="$LOG/ncu_${pt//:/_}"

@@ -596,6 +596,56 @@ def test_ncu_stall_summary_groups_by_opcode_and_by_execution_count(tmp_path, cap
     assert ("100", "18.2%", "55.0%") in shares and ("600", "54.5%", "30.0%") in shares
 
 
+def _timeline_words(sm, start_ns, start_clock, marks, gemm1_items, gemm2_items, end):
+    """A CTA's decode_fused.TIMELINE words: `marks` maps a mark to its clock count after `start_clock`."""
+    dt = load_benchmark("decode_timeline")
+    words = [0] * dt.TIMELINE_WORDS
+    end_ns = start_ns + end
+    words[:4] = [start_ns % 2**32, start_ns >> 32, sm, start_clock]
+    words[24:27] = [(start_clock + end) % 2**32, end_ns % 2**32, end_ns >> 32]
+    for name, cycles in marks.items():
+        phase, _, piece = name.partition("_")
+        if phase in dt.PHASES and piece in dt.PHASE_WORDS:
+            word = 8 + 8 * dt.PHASES.index(phase) + dt.PHASE_WORDS.index(piece)
+        else:
+            word = dt.SLOTS[name]
+        words[word] = (start_clock + cycles) % 2**32
+    words[8 + 6], words[16 + 6] = gemm1_items, gemm2_items
+    return words
+
+
+def test_decode_timeline_lines_up_ctas_and_times_each_piece_of_an_item():
+    """benchmarks/decode_timeline.py: clock marks become ns since the CTA's start (modulo the 32-bit clock's wrap),
+    CTAs line up on the global timer, a CTA without items in a phase has no marks there, and the summary gives
+    each mark's median and last CTA, each piece's median and longest, and when the grid barrier opened."""
+    dt = load_benchmark("decode_timeline")
+    item = dict(waited=500, routed=1_000, zeroed=1_100, gemm1_item=1_200, gemm1_staged=1_500, gemm1_landed=2_200,
+                gemm1_first_done=4_000, gemm1_last_done=4_000, gemm1_end=4_500, barrier_passed=6_000,
+                gemm2_item=6_100, gemm2_staged=6_300, gemm2_landed=7_000, gemm2_first_done=8_000,
+                gemm2_last_done=8_000, gemm2_end=8_400)
+    idle = dict(waited=500, routed=1_000, zeroed=1_100, gemm1_end=1_150, barrier_passed=5_900, gemm2_end=5_950)
+    slow = dict(item, gemm1_first_done=5_000, gemm1_last_done=5_000, gemm1_end=5_500)
+    ctas = [_timeline_words(0, 10_000, 2**32 - 300, item, 3, 2, 9_000),  # its clock wraps during the kernel
+            _timeline_words(0, 10_000, 50, slow, 3, 2, 9_000),  # SM 0's second CTA: the slowest GEMM1 item
+            _timeline_words(1, 10_200, 7, item, 3, 2, 9_000),  # starts 200 ns later
+            _timeline_words(1, 10_000, 9, idle, 3, 0, 6_000)]  # SM 1's idle CTA: no items in either phase
+    decoded = [dt.decode_cta(words, clock_mhz=1_000.0) for words in ctas]  # a cycle is a ns
+    assert decoded[0]["gemm1_landed"] == 2_200 and decoded[0]["end"] == 9_000 and decoded[0]["sm"] == 0
+    assert decoded[3]["gemm1_item"] is None and decoded[3]["gemm1_end"] == 1_150
+    summary = dt.forward_summary(decoded)
+    assert summary["span_ns"] == 9_200 and summary["start_spread_ns"] == 200
+    assert summary["at_gemm1_landed"] == dict(median=2_200, last=2_400, ctas=3)
+    assert summary["gemm1_mainloop"] == dict(median=2_800, longest=3_800)
+    assert summary["gemm1_epilogue"] == dict(median=500, longest=500)
+    assert summary["barrier_open_ns"] == 5_900 - 5_500  # the first release after the last arrival
+    assert summary["sms_with_two_gemm1_ctas"] == 1
+    twice = dt.summarize([summary, dict(summary, span_ns=9_400)])
+    assert twice["span_ns"] == 9_300 and twice["forwards"] == 2
+    assert twice["at_gemm1_landed"] == dict(median=2_200, last=2_400, ctas=3)
+    assert twice["gemm2_mainloop"] == dict(median=1_900, longest=1_900)
+    assert "barrier opens 0.40 us" in dt.format_summary("x", twice)
+
+
 def test_tactic_table_ranks_tactics_by_their_geometric_mean_over_draws():
     """benchmarks/tactic_table.py's summary: a tactic's score is the geometric mean over the draws of its time over
     that draw's best, so one draw's routing cannot decide alone; the heuristic's rank is its place in that order."""

@@ -381,6 +381,26 @@ def test_fused_decode_kernels_fit_the_instruction_cache_and_do_not_spill(built_k
         assert counts["ATOM"] >= (2 if form else 1) and counts["CCTL"] >= 1, kind
 
 
+def test_fused_decode_timeline_build_marks_its_points_outside_the_mainloop(tmp_path, kernel_sass):
+    """decode_fused's timeline build (benchmarks/decode_timeline.py) reads the SM clock and the global timer and
+    stores its marks from thread 0; its mainloop (first to last HMMA) has no local-memory traffic, so the marks
+    time the shipped schedule's pieces rather than spills of their own."""
+    import re
+
+    from moe_ext.kernels.sm90 import build, decode_fused
+
+    build._load_dsl_runtime()
+    for split in (False, True):
+        name = f"timeline{int(split)}"
+        compiled = decode_fused.compile_decode("swiglu", f"--gpu-arch {build.ARCH}", split_gemm2=split, timeline=True)
+        compiled.export_to_c(file_path=str(tmp_path), file_name=name, function_prefix=name)
+        listing = kernel_sass.sass(str(tmp_path / f"{name}.o"))
+        assert all(register in listing for register in ("SR_CLOCKLO", "SR_GLOBALTIMERLO", "SMID")), split
+        lines = listing.splitlines()
+        hmma = [i for i, line in enumerate(lines) if "HMMA" in line]
+        assert hmma and not [line for line in lines[hmma[0]:hmma[-1]] if re.search(r"\b(LDL|STL)\b", line)], split
+
+
 def test_narrow_mainloop_widths_skip_whole_mma_columns():
     """The narrower copies of the mainloop (StreamConfig.narrow) exist for mma.sync tiles of 16+ tokens, each a
     whole number of m16n8k16 columns whose staging splits evenly over the threads; an 8-token tile is one column,

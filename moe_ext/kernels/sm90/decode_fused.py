@@ -45,6 +45,16 @@ GEMM2_MIN_STEPS = 4
 # Two CTAs an SM (128 registers: the three-CTA form's 80 spill here), 2048-K token chunks, the staging not unrolled.
 CONFIG = replace(streaming.config_for(TOKENS, 1), token_elems=TOKENS * 2048, unroll_staging=False)
 BLOCK = 16  # NVFP4 weight scales
+# The timeline build (make_kernel's `timeline`): thread 0 of each CTA writes TIMELINE_WORDS u32 words at
+# TIMELINE[...] past the barrier buffer's words (launcher.decode_barrier_words), CTA after CTA; the caller allocates
+# them (benchmarks/decode_timeline.py). Clocks are the SM's cycle counter; the *_ns words the GPU's global timer.
+# A phase's words start at 8 (GEMM1) and 16 (GEMM2): its first item's start, first token staging done, first
+# stages landed, first item's mainloop done (accumulators in shared memory), last item's mainloop done, the
+# phase's end (items and their epilogues done), the phase's item count.
+TIMELINE_WORDS = 32
+TIMELINE = dict(start_ns_lo=0, start_ns_hi=1, sm=2, start=3, waited=4, routed=5, zeroed=6, barrier_passed=7,
+                end=24, end_ns_lo=25, end_ns_hi=26)
+TIMELINE_PHASE = ("item", "staged", "landed", "first_done", "last_done", "end", "items")
 
 
 class RoutePlan(NamedTuple):
@@ -111,6 +121,22 @@ def route_pairs(plan: RoutePlan, tid, ids: cute.Tensor, pairs, num_experts, offs
     return tiles
 
 
+@cute.jit
+def mark(on: cutlass.Constexpr, tid, words: Int64, slot):
+    """In the timeline build (`on`), thread 0 writes the SM clock to TIMELINE word `slot` of its CTA's at `words`."""
+    if cutlass.const_expr(on):
+        if tid == 0:
+            ptx.st_global_b32(words + Int64(slot) * 4, ptx.sm_clock())
+
+
+@cute.jit
+def mark_value(on: cutlass.Constexpr, tid, words: Int64, slot, value):
+    """mark's twin for a value other than the clock (the start's timer words, the SM, a phase's item count)."""
+    if cutlass.const_expr(on):
+        if tid == 0:
+            ptx.st_global_b32(words + Int64(slot) * 4, Int32(value))
+
+
 def splits(ctas, items, steps, min_steps):
     """K ranges per weight tile: as many as keep `items` x ranges within the grid, each range at least `min_steps`
     128-K steps, at most MAX_SPLITS (the partials workspace holds that many tiles a row)."""
@@ -126,11 +152,12 @@ def gemm2_partial(partials: cute.Tensor, pairs, n1, hidden, rank, row, col) -> I
         hidden) + Int64(col)) * 4
 
 
-def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = False):
+def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = False, timeline: bool = False):
     """gemms: which GEMM phases run their items (a timing variant without one of them times the rest of the
     kernel: benchmarks/decode_phase_variants.py); the routing, the zeroing and the grid barrier always run.
     split_gemm2: GEMM2 items split K too (GEMM2_MIN_STEPS). A separate build: the arrival and the sum of the
-    ranges cost the unsplit kernel 1-3% where it does not split (h200_session36_checks.md)."""
+    ranges cost the unsplit kernel 1-3% where it does not split (h200_session36_checks.md).
+    timeline: a measurement build that also writes each CTA's TIMELINE words (same signature and results)."""
     gated = kind != "relu2"
     cfg = CONFIG
     threads = cfg.threads
@@ -145,6 +172,8 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                       p0: Float32, p1: Float32, p2: Float32, p3: Float32, ctas: Int32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
+        start_clock = ptx.sm_clock() if cutlass.const_expr(timeline) else None
+        start_ns = ptx.global_timer() if cutlass.const_expr(timeline) else None
         sm = streaming.allocate(TOKENS, cfg)
         plan = allocate_plan()
         out_tile = sm.out  # written below inside run-time branches, which would otherwise carry all of `sm`
@@ -152,12 +181,24 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
         x_address = x_bf16.iterator.toint()
         partial0 = partials.iterator.toint()  # GEMM1's K ranges' tiles, then GEMM2's (gemm2_partial)
         out_address = out.iterator.toint()
+        # Before the wait (the descriptors do not depend on the previous kernel): a descriptor's first fetch would
+        # otherwise sit between the routing and GEMM1's first copies, and between the grid barrier and GEMM2's.
+        if tid == 0:
+            ptx.prefetch_tensormap(w1_map.get_ptr().toint())
+            ptx.prefetch_tensormap(w2_map.get_ptr().toint())
         cute.arch.griddepcontrol_wait()
         pairs = cute.size(token_selected_experts)
+        timeline0 = barrier.iterator.toint() + Int64(4 + pairs * (hidden // cfg.rows) + cta * TIMELINE_WORDS) * 4
+        if cutlass.const_expr(timeline):
+            for name, value in (("start", start_clock), ("start_ns_lo", start_ns[0]), ("start_ns_hi", start_ns[1]),
+                                ("sm", ptx.sm_id())):
+                mark_value(timeline, tid, timeline0, TIMELINE[name], value)
+        mark(timeline, tid, timeline0, TIMELINE["waited"])
         if cutlass.const_expr(split_gemm2):
             if tid == 0:
                 plan.arrival[2] = inter // cfg.k_step // GEMM2_MIN_STEPS
         tiles = route_pairs(plan, tid, token_selected_experts, pairs, num_experts, expert_offset)
+        mark(timeline, tid, timeline0, TIMELINE["routed"])
         s1 = splits(ctas, tiles * (n1 // cfg.rows), hidden // cfg.k_step, 2)
         a_row = tid // (threads // TOKENS)  # the epilogues' accumulator row and first column
         c0 = (tid % (threads // TOKENS)) * out_cols
@@ -165,6 +206,7 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
         # The fused finalize adds into the output: zero it before the grid barrier below.
         for i in cutlass.range(cta * threads + tid, cute.size(out) // 8, ctas * threads):
             ptx.st_global_v4(out_address + Int64(i) * 16, Int32(0), Int32(0), Int32(0), Int32(0))
+        mark(timeline, tid, timeline0, TIMELINE["zeroed"])
 
         # Phase 0, GEMM1: (tile, weight-row tile, K range) items -> fp32 partial tiles at
         # partials[range][row][n1 column]. Phase 1, GEMM2: (tile, hidden-row tile) items, their staging builds the
@@ -176,6 +218,8 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                 if tid == 0:
                     ptx.grid_barrier(barrier.iterator.toint(), cta == 0, ctas)
                 cute.arch.sync_threads()
+                mark(timeline, tid, timeline0, TIMELINE["barrier_passed"])
+            phase_words = 8 + 8 * phase  # this phase's TIMELINE_PHASE words
             rows_per_expert = Int32(cutlass.select_(gemm2, hidden, n1))
             k_extent = Int32(cutlass.select_(gemm2, inter, hidden))
             s2 = Int32(1)
@@ -231,11 +275,22 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                             words[i] = v[i]
                     return streaming.bf16x8_to_tile([words[i] for i in range(4)]), valid
 
+                def trace(thread, event):
+                    """The first item's first staging (event 0) and first landed stages (1)."""
+                    if item == cta:
+                        mark(timeline, thread, timeline0, phase_words + 1 + event)
+
                 if cutlass.const_expr(split_gemm2):
                     if tid == 0:  # only thread 0 arrives (below)
                         plan.arrival[1] = t * (hidden // cfg.rows) + n_tile
+                if item == cta:
+                    mark(timeline, tid, timeline0, phase_words)
                 streaming.accumulate(sm, tid, w_sf, w_map, expert, n_tile * cfg.rows, rows_per_expert, k_extent,
-                                     rank, ranges, limit - row0, TOKENS, cfg, BLOCK, load_group, cluster_reduce=False)
+                                     rank, ranges, limit - row0, TOKENS, cfg, BLOCK, load_group, cluster_reduce=False,
+                                     trace=trace if cutlass.const_expr(timeline) else None)
+                if item == cta:
+                    mark(timeline, tid, timeline0, phase_words + 3)
+                mark(timeline, tid, timeline0, phase_words + 4)
                 last = Int32(1)  # whether this item's epilogue runs: split GEMM2 K ranges meet in the last
                 if cutlass.const_expr(split_gemm2):
                     if gemm2 and ranges > 1:  # the range arriving last adds up the ranges' fp32 tiles in rank order
@@ -275,6 +330,13 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                         ptx.write_words(partial0 + (Int64(rank * pairs + row0 + a_row) * Int64(n1) + Int64(
                             n_tile * cfg.rows + c0)) * 4, words)
                 cute.arch.sync_threads()  # the next item's staging overwrites sm.out
+            mark(timeline, tid, timeline0, phase_words + 5)
+            mark_value(timeline, tid, timeline0, phase_words + 6, items)
+        if cutlass.const_expr(timeline):
+            mark(timeline, tid, timeline0, TIMELINE["end"])
+            end_ns = ptx.global_timer()
+            mark_value(timeline, tid, timeline0, TIMELINE["end_ns_lo"], end_ns[0])
+            mark_value(timeline, tid, timeline0, TIMELINE["end_ns_hi"], end_ns[1])
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
@@ -295,13 +357,14 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
     return launch
 
 
-def compile_decode(kind: str, options: str, gemms: tuple = (True, True), split_gemm2: bool = False):
+def compile_decode(kind: str, options: str, gemms: tuple = (True, True), split_gemm2: bool = False,
+                   timeline: bool = False):
     from .fake_args import vector
 
     u8 = cutlass.Uint8
     return cute.compile(
-        make_kernel(kind, gemms, split_gemm2), vector(BFloat16, 16), vector(Int32), vector(Float32), vector(u8, 16),
-        vector(u8, 16), vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32), vector(BFloat16, 16),
-        vector(Float32, 16), vector(Int32), Int32(128), Int32(128), Int32(256), Int32(1), Int32(1), Int32(0),
+        make_kernel(kind, gemms, split_gemm2, timeline), vector(BFloat16, 16), vector(Int32), vector(Float32),
+        vector(u8, 16), vector(u8, 16), vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32),
+        vector(BFloat16, 16), vector(Float32, 16), vector(Int32), Int32(128), Int32(128), Int32(256), Int32(1), Int32(1), Int32(0),
         Float32(0), Float32(0), Float32(0), Float32(0), Int32(1), cutlass.Boolean(True), cuda.CUstream(0),
         options=options)

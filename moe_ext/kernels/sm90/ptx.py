@@ -181,6 +181,25 @@ def arrive_last(counter: Int64, arrivals: Int32, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def sm_clock(*, loc=None, ip=None) -> Int32:
+    """The SM's cycle counter (low 32 bits): durations inside one CTA (decode_fused's timeline)."""
+    return Int32(_asm(1, [], "mov.u32 $0, %clock;", "=r", side_effects=True))
+
+
+@dsl_user_op
+def global_timer(*, loc=None, ip=None) -> list:
+    """The GPU-wide nanosecond timer as (low, high) words: lines up the CTAs of a launch (decode_fused's timeline)."""
+    values = _asm(2, [], "{ .reg .u64 t; mov.u64 t, %globaltimer; mov.b64 {$0, $1}, t; }", "=r,=r",
+                  side_effects=True)
+    return [Int32(v) for v in values]
+
+
+@dsl_user_op
+def sm_id(*, loc=None, ip=None) -> Int32:
+    return Int32(_asm(1, [], "mov.u32 $0, %smid;", "=r", side_effects=True))
+
+
+@dsl_user_op
 def prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
     """Bytes of (b:a) picked by the four nibbles of `selector`."""
     return Int32(_asm(1, [Int32(a), Int32(b)], f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r"))

@@ -435,7 +435,8 @@ def chunk_tasks(tokens: int, c: StreamConfig, live: int) -> int:
 @cute.jit
 def accumulate(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_extent, rank, k_split,
                live_rows, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
-               load_group: cutlass.Constexpr, cluster_reduce: cutlass.Constexpr = True):
+               load_group: cutlass.Constexpr, cluster_reduce: cutlass.Constexpr = True,
+               trace: cutlass.Constexpr = None):
     """The mainloop of one CTA over weight rows [first_row, first_row + cfg.rows) of `expert` in a 4-bit weight
     (scales `w_sf`; `w_map` from weight_map): leaves its accumulator
     tile (summed over K slices, and on cluster rank 0 over the cluster's ranks) in sm.out. `load_group(r, k,
@@ -446,6 +447,9 @@ def accumulate(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_exten
     k_slices-th step of the run: its j-th step is first + j * k_slices + part. `live_rows`: the tile's token rows
     that are not padding; the narrowest mainloop width that holds them runs (mainloop_widths). Without
     `cluster_reduce` each CTA keeps its own K range's partial tile (the caller reduces them: decode_fused.py).
+    `trace(tid, event)`, if given, runs in every thread after the run's first token staging (event 0) and once
+    its first group of stages has landed (event 1): timeline marks (decode_fused.py's timeline build; the forms
+    that wait a group of stages at a time).
     """
     fill_scale_lut(sm, tid, block)  # read after the first staging barrier below
     acc = cute.make_rmem_tensor((accumulator_size(tokens, cfg),), Float32)
@@ -457,7 +461,7 @@ def accumulate(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_exten
     loop_args = (sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
                  part, acc, tokens, cfg, block, load_group)
 
-    narrowest_mainloop(loop_args, live_rows, mainloop_widths(tokens, cfg))
+    narrowest_mainloop(loop_args, live_rows, mainloop_widths(tokens, cfg), trace)
     if cutlass.const_expr(cfg.mma == "wgmma_async"):
         ptx.wgmma_wait(0)
     cute.arch.sync_threads()
@@ -477,19 +481,20 @@ def accumulate(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_exten
 
 
 @cute.jit
-def narrowest_mainloop(loop_args: tuple, live_rows, widths: cutlass.Constexpr):
+def narrowest_mainloop(loop_args: tuple, live_rows, widths: cutlass.Constexpr,
+                       trace: cutlass.Constexpr = None):
     """tma_mainloop at the narrowest of `widths` that holds the live rows, through a tree of comparisons on the
     CTA-uniform row count (an expert's rows past this tile take the full width). The same four widths chosen by
     equality on a computed index ran 1.33x slower than halves on the H200 (session 18), its loops full of R2UR
     moves the halves' lacked."""
     if cutlass.const_expr(len(widths) == 1):
-        tma_mainloop(*loop_args, widths[0])
+        tma_mainloop(*loop_args, widths[0], trace)
     else:
         half = len(widths) // 2
         if live_rows <= widths[half - 1]:
-            narrowest_mainloop(loop_args, live_rows, widths[:half])
+            narrowest_mainloop(loop_args, live_rows, widths[:half], trace)
         else:
-            narrowest_mainloop(loop_args, live_rows, widths[half:])
+            narrowest_mainloop(loop_args, live_rows, widths[half:], trace)
 
 
 def task_position(tid, m: int, threads: int, per_row: int):
@@ -574,7 +579,7 @@ def address_of(t) -> Int64:
 @cute.jit
 def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
                  part, acc: cute.Tensor, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
-                 load_group: cutlass.Constexpr, live: cutlass.Constexpr):
+                 load_group: cutlass.Constexpr, live: cutlass.Constexpr, trace: cutlass.Constexpr = None):
     """Stages of k_slices 128-K steps (K slice `part` reads step `part` of each) arrive by TMA: one box per step
     and one bulk copy of its scale tiles, counted on the stage's full barrier. No warp waits for a producer: every
     warp releases a stage it has read on the stage's empty barrier, and warp 0 refills the slot at its next stage
@@ -610,11 +615,11 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
             for r in cutlass.range(passes):
                 for h in cutlass.range_constexpr(ring):
                     group_step(sm, tid, place, src, first, r * ring + h, h * per_group, r % 2, steps, k_end,
-                               num_stages, part, acc, tokens, cfg, block, load_group, live)
+                               num_stages, part, acc, tokens, cfg, block, load_group, live, trace)
             first_group = passes * ring
         for g in cutlass.range(first_group, groups):
             group_step(sm, tid, place, src, first, g, None, None, steps, k_end, num_stages, part, acc, tokens, cfg,
-                       block, load_group, live)
+                       block, load_group, live, trace)
         first_single = groups * per_group
         if tid < 32 and groups > 0:  # the last group's stages but its last (the loop below refills that one)
             for u in cutlass.range_constexpr(per_group - 1):
@@ -633,7 +638,7 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
 @cute.jit
 def group_step(sm: Smem, tid, place: StepPlace, src, first, g, first_slot, phase, steps, k_end, num_stages, part,
                acc: cute.Tensor, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
-               load_group: cutlass.Constexpr, live: cutlass.Constexpr):
+               load_group: cutlass.Constexpr, live: cutlass.Constexpr, trace: cutlass.Constexpr = None):
     """Group `g` of stages_per_wait whole stages: warp 0 refills the previous group's slots, every wait first, then
     the consumptions with no branch between them (the scheduler can interleave their decode chains), then the
     releases. `first_slot` and `phase`: the group's first ring slot (a constant) and its barriers' phase where the
@@ -646,6 +651,9 @@ def group_step(sm: Smem, tid, place: StepPlace, src, first, g, first_slot, phase
     k_run = g * per_group * cfg.k_slices * cfg.k_step
     if k_run & (chunk - 1) == 0:
         stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group, live)
+    if cutlass.const_expr(trace is not None):
+        if g == 0:
+            trace(tid, 0)
     known = first_slot is not None
     stages = [first_slot + u if known else g * per_group + u for u in range(per_group)]  # slots where known
     for u in cutlass.range_constexpr(per_group):
@@ -653,6 +661,9 @@ def group_step(sm: Smem, tid, place: StepPlace, src, first, g, first_slot, phase
             cute.arch.mbarrier_wait(sm.full + stages[u], phase)
         else:
             cute.arch.mbarrier_wait(sm.full + stages[u] % cfg.stages, (stages[u] // cfg.stages) % 2)
+    if cutlass.const_expr(trace is not None):
+        if g == 0:
+            trace(tid, 1)
     for u in cutlass.range_constexpr(per_group):
         consume_tma_stage(sm, place, stages[u], (k_run + u * cfg.k_slices * cfg.k_step) & (chunk - 1), part, steps,
                           acc, tokens, block, cfg, live, wait=False, check=False)
