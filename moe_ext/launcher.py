@@ -238,14 +238,18 @@ def streaming_tiles(mode: str, kind: str) -> tuple:
                  if has_kernel(gemm1_kernel(mode, kind, t, 1)) and has_kernel(gemm2_kernel(mode, t, 1)))
 
 
-@functools.lru_cache(maxsize=None)
 def token_tiles(mode: str, kind: str) -> tuple:
     """Every routing tile a forward of this mode and activation can take: the streaming ones, then the tiles only
-    the wgmma GEMMs run (WIDE_WGMMA_TILE)."""
-    wide = (WIDE_WGMMA_TILE,) if has_wgmma(mode, kind) and all(
-        has_kernel(name) for name in (gemm1_kernel(mode, kind, WIDE_WGMMA_TILE, WGMMA),
-                                      gemm2_kernel(mode, WIDE_WGMMA_TILE, WGMMA))) else ()
-    return streaming_tiles(mode, kind) + wide
+    the wgmma GEMMs run (PADDED_WGMMA_TILE where offered, WIDE_WGMMA_TILE)."""
+    return _token_tiles(mode, kind, OFFER_PADDED_WGMMA_TILE)
+
+
+@functools.lru_cache(maxsize=None)
+def _token_tiles(mode: str, kind: str, padded: bool) -> tuple:
+    wgmma_only = [t for t in ((PADDED_WGMMA_TILE,) if padded else ()) + (WIDE_WGMMA_TILE,)
+                  if has_wgmma(mode, kind) and has_kernel(gemm1_kernel(mode, kind, t, WGMMA))
+                  and has_kernel(gemm2_kernel(mode, t, WGMMA))]
+    return streaming_tiles(mode, kind) + tuple(wgmma_only)
 
 
 K_SPLITS = (1, 2, 4)  # CTAs of a cluster that share one GEMM tile's K steps (cluster split-K)
@@ -263,6 +267,12 @@ NARROW_WGMMA_MIN_ROWS = {32: 12, 64: WGMMA_MIN_ROWS}  # ... on each narrow tile 
 # experts with 512+ rows on average (wgmma_mainloop.TOKEN_BLOCK).
 WIDE_WGMMA_TILE = 256
 WIDE_TILE_MIN_ROWS = 512
+# 144-row routing tiles run only the wgmma GEMMs (both, 128-row weight tiles): one m64n144 block, for experts that
+# average a little under 128 rows, whose 128-row tiles leave about half of them a second, mostly padding, tile
+# (wgmma_mainloop.PADDED_TILE). Offered (tactics, workspaces) only under OFFER_PADDED_WGMMA_TILE: off until
+# tests/test_hopper_kernels.py has run on its kernels on an H200 (built in session 37 without a device).
+PADDED_WGMMA_TILE = 144
+OFFER_PADDED_WGMMA_TILE = False
 # The "split" of a GEMM that selects its wgmma kernel with 256-row weight tiles (32- to 128-token routing tiles): two
 # weight halves share each gathered token stage, halving the token rows a CTA reads per MMA. The GEMM's weight rows
 # (of one launch) must be a multiple of 256.

@@ -24,6 +24,14 @@ pytestmark = [
 ]
 
 W, WW = launcher.WGMMA, launcher.WGMMA_WIDE  # the wgmma GEMMs' k_splits
+PADDED = launcher.PADDED_WGMMA_TILE
+
+
+@pytest.fixture(autouse=True)
+def padded_wgmma_tile(monkeypatch):
+    """These tests offer the 144-row wgmma tile (launcher.OFFER_PADDED_WGMMA_TILE, off by default until they have
+    passed on it on an H200), so every reference check below runs it too."""
+    monkeypatch.setattr(launcher, "OFFER_PADDED_WGMMA_TILE", True)
 
 
 def check_against_reference(case, fused, every_tile=True, **over):
@@ -37,7 +45,8 @@ def check_against_reference(case, fused, every_tile=True, **over):
     chosen = [(t, 1, 1) for t in tiles] + [(tiles[0], 4, 2), (tiles[-1], 2, 4)]
     if not every_tile:  # the smallest tile unsplit and the largest split: both kernels' paths, half the runs
         chosen = [(tiles[0], 1, 1), (tiles[-1], 2, 4)]
-    wgmma = [t for t in [(launcher.WGMMA_TILE, W, W), (launcher.WIDE_WGMMA_TILE, W, W), (launcher.WGMMA_TILE, WW, WW)]
+    wgmma = [t for t in [(launcher.WGMMA_TILE, W, W), (launcher.WIDE_WGMMA_TILE, W, W), (launcher.WGMMA_TILE, WW, WW),
+                         (PADDED, W, W)]
              + [(t, s, s) for t in launcher.NARROW_WGMMA_TILES for s in (W, WW)]
              if t in HOPPER.tactics(problem)]  # the wgmma GEMMs (both)
     assert (launcher.WGMMA_TILE, W, W) in wgmma, "every mode links the wgmma GEMMs"  # and the 256 ones, when built
@@ -113,28 +122,50 @@ def test_streaming_ring_with_odd_step_counts_and_every_k_split(mode):
         assert rel_l2(out, expected) <= gate, (tactic, rel_l2(out, expected), gate)
 
 
+def case_with_expert_rows(mode: str, rows: list, seed: int):
+    """A top-1 case on the GPU whose local expert e routes rows[e] tokens (in shuffled token order); one more expert
+    gets none."""
+    tokens = sum(rows)
+    case = make_case(mode, "swiglu", num_tokens=tokens, top_k=1, num_experts=len(rows) + 1, hidden=256, inter=256,
+                     seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))[torch.randperm(tokens, generator=g)]
+    return dataclasses.replace(case, ids=ids.view(tokens, 1).to(torch.int32)).to("cuda")
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_pt", "w4a8"])
 def test_part_filled_routing_tiles_at_their_edges(mode):
     """Experts whose rows leave an expert's last routing tile holding 1, 17, 32 / 33, 64 / 65 or 128 rows (and
     129, 160, 193: a second tile), on every tactic: padding rows of a tile must never reach an output row."""
-    rows = [1, 17, 32, 33, 64, 65, 128, 129, 160, 193]  # local expert e routes rows[e] tokens; one expert has none
-    tokens = sum(rows)
-    case = make_case(mode, "swiglu", num_tokens=tokens, top_k=1, num_experts=len(rows) + 1, hidden=256, inter=256,
-                     seed=3)
-    g = torch.Generator().manual_seed(4)
-    ids = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))[torch.randperm(tokens, generator=g)]
-    case = dataclasses.replace(case, ids=ids.view(tokens, 1).to(torch.int32)).to("cuda")
+    case = case_with_expert_rows(mode, [1, 17, 32, 33, 64, 65, 128, 129, 160, 193], seed=3)
     for fused in (True, False):
         check_against_reference(case, fused, every_tile=False)
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_pt", "w4a8"])
+def test_padded_wgmma_tile_at_its_edges(mode):
+    """The 144-row routing tile (one m64n144 wgmma block; its epilogue covers rows 128-143 in a second pass):
+    experts of 1, 16, 17, 127, 128, 143, 144, 145, 160, 288 and 289 rows, against the reference, both finalizes."""
+    case = case_with_expert_rows(mode, [1, 16, 17, 127, 128, 143, 144, 145, 160, 288, 289], seed=9)
+    for fused in (True, False):
+        kw = case.kwargs(use_fused_finalize=fused)
+        problem = build_problem(**kw)
+        assert (PADDED, W, W) in HOPPER.tactics(problem), "the build links the 144-row wgmma GEMMs"
+        expected, gate = reference_and_gate(problem, TOLERANCE[case.mode])
+        out = moe_ext.cute_dsl_fused_moe(**kw, moe_output=torch.full_like(expected, float("nan")),
+                                         tactic=(PADDED, W, W))
+        assert torch.isfinite(out).all()
+        assert rel_l2(out, expected) <= gate, (fused, rel_l2(out, expected), gate)
+
+
 @pytest.mark.parametrize("kind", ["swiglu", "relu2"])
-@pytest.mark.parametrize("tactic", [(tile, W, W) for tile in (64, launcher.WGMMA_TILE)]
+@pytest.mark.parametrize("tactic", [(tile, W, W) for tile in (64, launcher.WGMMA_TILE, PADDED)]
                          + [(launcher.WGMMA_TILE, WW, WW)], ids=str)
 def test_wgmma_gemm1_writes_its_padding_rows_as_zeros(tactic, kind):
-    """On 64- and 128-token tiles the wgmma GEMM1 stores the padding rows of its FC2 input as zeros (its own padding
-    token rows are zero-filled too), so the wgmma GEMM2 multiplies zeros there: padding then draws less power, which
-    the forwards at the H200's power cap run faster for (WgmmaConfig.zero_padding). No output depends on it."""
+    """On 64-, 128- and 144-token tiles the wgmma GEMM1 stores the padding rows of its FC2 input as zeros (its own
+    padding token rows are zero-filled too), so the wgmma GEMM2 multiplies zeros there: padding then draws less
+    power, which the forwards at the H200's power cap run faster for (WgmmaConfig.zero_padding). No output depends
+    on it."""
     case = make_case("w4a16", kind, num_tokens=300, top_k=2, num_experts=8, hidden=256, inter=256, seed=6).to("cuda")
     problem = build_problem(**case.kwargs())
     I, tile = problem.intermediate_size, tactic[0]

@@ -32,7 +32,7 @@ def test_every_shipped_kernel_compiles_for_sm90a(built_kernels):
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
         gemms += [f"moe_gemm2_{mode}_t{tokens}_3cta" for mode in ("w4a16", "w4a4_pt", "w4a8")]
     for suffix in ("_t32_wgmma", "_t32_wgmma_n256", "_t64_wgmma", "_t64_wgmma_n256", "_t128_wgmma", "_t256_wgmma",
-                   "_t128_wgmma_n256"):
+                   "_t128_wgmma_n256", "_t144_wgmma"):
         gemms += [f"moe_gemm1_{mode}_{kind}{suffix}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
         gemms += [f"moe_gemm2_{mode}{suffix}" for mode in ("w4a16", "w4a4_pt", "w4a8")]
@@ -106,7 +106,8 @@ def test_launcher_knows_the_compiled_token_tiles():
 
     assert launcher.TOKEN_TILES == stream.TOKEN_TILES
     assert launcher.THREE_CTA_TILES == stream.THREE_CTA_TILES
-    assert (*launcher.NARROW_WGMMA_TILES, launcher.WGMMA_TILE, launcher.WIDE_WGMMA_TILE) == wgmma_mainloop.TILES
+    assert (*launcher.NARROW_WGMMA_TILES, launcher.WGMMA_TILE, launcher.PADDED_WGMMA_TILE,
+            launcher.WIDE_WGMMA_TILE) == wgmma_mainloop.TILES
 
 
 def test_launcher_table_generation_from_a_header(tmp_path):
@@ -324,9 +325,10 @@ def test_wgmma_gemms_keep_everything_in_registers_and_shared_memory(built_kernel
         assert kernel_sass.mainloop_local_ops(listing) == 0, name
         assert kernel_sass.serialized_wgmmas(listing) == 0, name
         assert kernel_sass.wgmma_widths(listing) == [128], name  # m64n128k16: one 128-token block per wgmma
-    for tokens in (32, 64):  # the narrow tiles: one m64n32 / m64n64 block
-        for name in (f"moe_gemm1_w4a16_swiglu_t{tokens}_wgmma", f"moe_gemm1_w4a8_relu2_t{tokens}_wgmma_n256",
-                     f"moe_gemm2_w4a16_t{tokens}_wgmma", f"moe_gemm2_w4a8_t{tokens}_wgmma_n256"):
+    # the narrow tiles (one m64n32 / m64n64 block, also with 256 weight rows) and the padded one (one m64n144 block)
+    for tokens, wide in ((32, "_n256"), (64, "_n256"), (144, "")):
+        for name in (f"moe_gemm1_w4a16_swiglu_t{tokens}_wgmma", f"moe_gemm1_w4a8_relu2_t{tokens}_wgmma{wide}",
+                     f"moe_gemm2_w4a16_t{tokens}_wgmma", f"moe_gemm2_w4a8_t{tokens}_wgmma{wide}"):
             listing = kernel_sass.sass(str(built_kernels / f"{name}.o"))
             assert kernel_sass.mainloop_local_ops(listing) == 0, name
             assert kernel_sass.serialized_wgmmas(listing) == 0, name
@@ -338,7 +340,7 @@ def test_wgmma_gemms_split_the_register_file_between_their_roles(built_kernels, 
     ptxas drops both where it cannot tell the register count at kernel entry (it could not for the 32- and 64-token
     kernels before their launches set min_blocks_per_mp: session 26), and then every role runs on one budget."""
     names = [n for n in (built_kernels / "kernels.txt").read_text().split() if "_wgmma" in n]
-    assert len(names) == 126
+    assert len(names) == 144
     for name in names:
         listing = kernel_sass.sass(str(built_kernels / f"{name}.o"))
         assert "USETMAXREG.DEALLOC" in listing and "USETMAXREG.TRY_ALLOC" in listing, name

@@ -251,6 +251,34 @@ def test_wide_weight_kernels_are_named_and_offered_only_where_rows_allow(monkeyp
     assert launcher.wide_weights("w4a16", "swiglu", 4096, 7168) == (False, False)
 
 
+def test_padded_wgmma_tile_is_offered_only_when_switched_on_and_never_the_default(monkeypatch):
+    """The 144-row routing tile (one m64n144 wgmma block) runs only the wgmma GEMMs, both on 128-row weight tiles;
+    workspaces and tactics include it only under OFFER_PADDED_WGMMA_TILE (off until its GPU tests pass), and the
+    heuristic does not take it (DeepSeek-V3 at T=4096, ~128 rows an expert, stays on 128-token tiles)."""
+    from moe_ext import launcher
+
+    W = launcher.WGMMA
+    assert launcher.gemm1_kernel("w4a16", "swiglu", 144, W) == "moe_gemm1_w4a16_swiglu_t144_wgmma"
+    assert launcher.gemm2_kernel("w4a4", 144, W) == "moe_gemm2_w4a16_t144_wgmma"
+    monkeypatch.setattr(launcher, "has_kernel", lambda name: True)
+    launcher.streaming_tiles.cache_clear()
+    launcher._token_tiles.cache_clear()
+    try:
+        assert launcher.token_tiles("w4a16", "swiglu") == launcher.TOKEN_TILES + (256,)
+        monkeypatch.setattr(launcher, "OFFER_PADDED_WGMMA_TILE", True)
+        assert launcher.token_tiles("w4a16", "swiglu") == launcher.TOKEN_TILES + (144, 256)
+    finally:
+        launcher.streaming_tiles.cache_clear()
+        launcher._token_tiles.cache_clear()
+    tiles = launcher.TOKEN_TILES + (144,)
+    assert set(launcher.tactics(tiles, wgmma=True)) - set(launcher.tactics(launcher.TOKEN_TILES, wgmma=True)) == {
+        (144, W, W)}
+    assert set(launcher.tactics(tiles, wgmma=True, wide=(True, True))) - set(launcher.tactics(
+        launcher.TOKEN_TILES, wgmma=True, wide=(True, True))) == {(144, W, W)}  # no 256-row weight tiles on it
+    assert launcher.tactics(tiles) == launcher.tactics(launcher.TOKEN_TILES)  # without the wgmma GEMMs, none
+    assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132, True)[0] == 128
+
+
 def test_tuning_times_candidates_on_a_stand_in_routing_not_on_the_callers(tuner):
     """A bucket's tactic must not hang on its first call's routing: with expert parallelism a T=1 call often sends
     no slot to this rank, and every tactic then ties at doing nothing. The candidates run on a stand-in routing of

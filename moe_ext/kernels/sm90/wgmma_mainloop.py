@@ -2,8 +2,8 @@
 consumers straight into the wgmma's register A operand, gathered bf16 token rows as B from shared memory, fp32
 accumulators.
 
-CTA tile: 128 weight rows (the wgmma M side, two consumer warpgroups of 64) x 32, 64, 128 or 256 routed token rows
-(one routing tile of one local expert, in blocks of up to 128: one wgmma N each) x all of K in stages of 64,
+CTA tile: 128 weight rows (the wgmma M side, two consumer warpgroups of 64) x 32, 64, 128, 144 or 256 routed token
+rows (one routing tile of one local expert, in blocks of up to 144: one wgmma N each) x all of K in stages of 64,
 `stages` deep. A 256-row tile decodes each weight stage once for both blocks (twice the MMA per decode
 instruction); 32- and 64-row tiles cut the MMA of a 128-row one where experts have fewer rows (no padding token
 rows multiplied for nothing), for the same decode.
@@ -70,9 +70,13 @@ TOKEN_BLOCK = 128
 WEIGHT_HALF = 128
 SM_SHARED_BYTES = 228 * 1024  # shared memory of a Hopper SM; each resident CTA reserves 1 KB of it
 MAX_SHARED_BYTES = SM_SHARED_BYTES - 1024  # opt-in dynamic shared memory of a Hopper CTA (227 KB)
-TILES = (32, 64, 128, 256)  # the routing tiles the wgmma GEMMs are built for
+# Token rows of one wgmma N beyond a 128-row block: a routing tile of this many rows is one block (m64n144k16), for
+# experts that average a little under 128 rows (DeepSeek-V3 at T=4096: 128 +- 11), where 128-row tiles spend a
+# second, mostly padding, tile on about half of them (useful rows 0.67 of those multiplied; 144: 0.83).
+PADDED_TILE = 144
+TILES = (32, 64, 128, PADDED_TILE, 256)  # the routing tiles the wgmma GEMMs are built for
 # (routing tile, weight rows) of every wgmma GEMM built: at most two accumulators (blocks x halves) fit the registers
-SHAPES = ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128), (256, 128), (128, 256))
+SHAPES = ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128), (256, 128), (128, 256), (PADDED_TILE, 128))
 
 
 # K order of the wgmma GEMMs' bf16 operands. The order of K inside an MMA is free as long as both operands agree,
@@ -118,7 +122,7 @@ def write_k_permuted(group_addr: Int64, words: list, first) -> None:
 
 @dataclass(frozen=True)
 class WgmmaConfig:
-    bm: int = 128  # routed rows per CTA (= the routing tile): 32, 64, 128 or 256
+    bm: int = 128  # routed rows per CTA (= the routing tile): 32, 64, 128, PADDED_TILE or 256
     bn: int = 128  # weight rows per CTA: 128 or 256 (two halves)
     bk: int = 64  # K per stage: 128 bytes of bf16 = one 128B-swizzle row
     stages: int = 6  # token tile + raw weight ring depth (20.5 KB a stage)
@@ -157,8 +161,8 @@ class WgmmaConfig:
 
     @property
     def token_block(self) -> int:
-        """Token rows of one wgmma N (one s_c pass)."""
-        return min(self.bm, TOKEN_BLOCK)
+        """Token rows of one wgmma N (one s_c pass): the tile, or TOKEN_BLOCK-row blocks of a multiple of it."""
+        return TOKEN_BLOCK if self.bm % TOKEN_BLOCK == 0 else self.bm
 
     @property
     def blocks(self) -> int:
@@ -171,7 +175,7 @@ class WgmmaConfig:
         return self.bn // WEIGHT_HALF
 
     def check(self) -> None:
-        assert self.bm in TILES and self.bn in (128, 256), "the thread mappings assume 32- to 128-row blocks"
+        assert self.bm in TILES and self.bn in (128, 256), "the thread mappings assume 32- to 144-row blocks"
         assert self.blocks * self.halves <= 2, "at most two 64 x 128 fp32 accumulators a consumer thread"
         assert self.bk == 64, "one stage must be one 4-block group of the 128x4 scale layout"
         assert self.stages >= 3, "the consumers hold up to two stages (wgmma wait_group(1))"
@@ -223,6 +227,11 @@ def config_for_tile(tile: int, sf_block: int, weight_rows: int = 128) -> WgmmaCo
     if tile == 256:
         assert weight_rows == 128, "two token blocks and two weight halves would need four accumulators"
         return WgmmaConfig(bm=256, stages=4, copier_regs=56, consumer_regs=224, sf_block=sf_block)
+    if tile == PADDED_TILE:
+        # Not with 256 weight rows: two m64n144 accumulators serialise every wgmma at 232 consumer registers, and
+        # at 240 the gathering copier's 24 spill its 9 row addresses in every stage. s_c takes 76 KB of the 212.
+        assert weight_rows == 128, "the 144-row tile runs 128-row weight tiles only"
+        return WgmmaConfig(bm=tile, bn=weight_rows, sf_block=sf_block, zero_padding=True)
     return WgmmaConfig(bn=weight_rows, sf_block=sf_block, zero_padding=True)
 
 
@@ -591,6 +600,9 @@ def consume(cfg: cutlass.Constexpr, copied, tokens, s_c, raw_codes: Int32, raw_s
     return read, release
 
 
+EPILOGUE_ROWS = CONSUMERS // 2  # s_c rows the consumer threads cover at once (epilogue_thread)
+
+
 def epilogue_thread(ctid):
     """(tile row, half) of a consumer thread in the epilogue: lanes 0-15 of a warp take 16 consecutive rows'
     first halves, lanes 16-31 their second halves, so 8 lanes of one 16-byte shared load read 8 different rows."""
@@ -638,16 +650,24 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
             item = WorkItem(cfg, w, raster, tile_to_expert, tile_to_mn_limit)
             r, half = epilogue_thread(ctid)
 
-            # The epilogue of weight half h and token block b of this item, out of s_c. A 32- or 64-row block
-            # leaves threads with r >= bm out: their rows are at or past the tile's limit (<= row0 + bm).
+            # The epilogue of weight half h and token block b of this item, out of s_c, in passes of the 128 rows
+            # the consumer threads cover (a PADDED_TILE block takes two, the second of its last 16 rows). A 32- or
+            # 64-row block leaves threads with r >= bm out: their rows are at or past the tile's limit
+            # (<= row0 + bm).
             def finish(h, b):
-                row = item.row0 + b * cfg.token_block + r
                 n_tile = item.n_tile if cutlass.const_expr(cfg.halves == 1) else item.n_tile * cfg.halves + h
-                if row < item.limit:
-                    epilogue(item, n_tile, s_c, r, half, row)
-                if cutlass.const_expr(cfg.zero_padding and pad_epilogue is not None):
-                    if row >= item.limit and r < cfg.token_block:
-                        pad_epilogue(item, n_tile, half, row)
+                for p in cutlass.range_constexpr(-(-cfg.token_block // EPILOGUE_ROWS)):
+                    rp = r + p * EPILOGUE_ROWS
+                    row = item.row0 + b * cfg.token_block + rp
+                    if cutlass.const_expr(p == 0):
+                        if row < item.limit:
+                            epilogue(item, n_tile, s_c, rp, half, row)
+                    else:
+                        if rp < cfg.token_block and row < item.limit:
+                            epilogue(item, n_tile, s_c, rp, half, row)
+                    if cutlass.const_expr(cfg.zero_padding and pad_epilogue is not None):
+                        if row >= item.limit and rp < cfg.token_block:
+                            pad_epilogue(item, n_tile, half, row)
 
             read, release = consume(cfg, copied, tokens, s_c, raw_codes, raw_scales, lut, tiled_mma, wg, ctid,
                                     k_extent, read, release, finish)
