@@ -117,7 +117,9 @@ class HopperBackend:
                                          problem.num_local_experts, problem.n1 // parts,
                                          problem.hidden_size // parts, self._tiles(problem), sms,
                                          fused_decode=launcher.DEFAULT_FUSED_DECODE
-                                         and launcher.fits_fused_decode(problem), **self._forms(problem))
+                                         and launcher.fits_fused_decode(problem),
+                                         decode_gemm2_idle=launcher.decode_gemm2_idle(problem),
+                                         **self._forms(problem))
         return tactic + (1,) if self._both_widths(problem) else tactic
 
     def run(self, problem: MoEProblem, tactic: Tactic, out: torch.Tensor,

@@ -298,6 +298,11 @@ DECODE_SPLIT_GEMM2 = False
 # Whether the untuned heuristic may pick FUSED_DECODE (default_tactic's `fused_decode`): on since session 35 ran
 # tests/test_fused_decode.py on the fixed build (h200_session35_checks.md).
 DEFAULT_FUSED_DECODE = True
+# GEMM1 weight tiles an SM (expected) up to which the default takes FUSED_DECODE, unless GEMM2's few long items would
+# idle its grid (default_tactic's `decode_gemm2_idle`). Graph replays against the kernel chain, sessions 35 and 36:
+# 1.07-1.23x at 1.4-2.7 tiles an SM (Qwen3-30B-A3B T = 2 / 4, DeepSeek-V3 EP8 T=8, gpt-oss-120b T=2), 1.02x at 1.9
+# (DeepSeek-V3 T=1); 0.98x and below from 3.4 (Mixtral T=1, DeepSeek-V3 T=2).
+FUSED_DECODE_TILES_PER_SM = 3
 # GEMM1 CTAs an SM (expected, on 8-token tiles) from which the default tactic takes 16-token tiles instead: with its
 # ring unrolled the 16-token mainloop (three CTAs an SM) beat the 8-token default by 1.02-1.06x at T = 8-64 on five
 # shapes (5.8-62 CTAs an SM: the tactic table and replay A/Bs, h200_session31_checks.md). Below (T = 1, EP8 T=8:
@@ -397,7 +402,8 @@ def tactics(tiles: tuple, wgmma: bool = False, wide: tuple = (False, False), thr
 
 def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, n1: int, hidden: int,
                    tiles: tuple, num_sms: int, wgmma: bool = False, wide: tuple = (False, False),
-                   three_ctas: bool = False, narrow_wgmma: tuple = (), fused_decode: bool = False) -> tuple:
+                   three_ctas: bool = False, narrow_wgmma: tuple = (), fused_decode: bool = False,
+                   decode_gemm2_idle: bool = False) -> tuple:
     """The heuristic for untuned shapes.
 
     Tile: up to 64, the smallest with room for twice an expert's average rows. Decode streams an expert's weights
@@ -428,12 +434,16 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     GEMM1 1.06-1.21x and GEMM2 1.27-1.80x there; at 256 CTAs it was 0.76-0.96x (h200_session17_checks.md).
     Where the one-launch forward can run (`fused_decode`: fits_fused_decode) and GEMM1's expected weight tiles fit
     one an SM (so its K splits at least in two across the two-CTA grid), it takes FUSED_DECODE: Qwen3-30B-A3B T=1
-    1.36x, DeepSeek-V3 EP8 T = 1 / 2 / 4 1.25 / 1.74 / 1.68x in graph replays; where more tiles run it was
-    0.62-1.23x (h200_session35_checks.md). The backend asks for it only under DEFAULT_FUSED_DECODE.
+    1.36x, DeepSeek-V3 EP8 T = 1 / 2 / 4 1.25 / 1.74 / 1.68x in graph replays (h200_session35_checks.md); and up to
+    FUSED_DECODE_TILES_PER_SM tiles an SM where GEMM2's expected items do not leave the grid idle
+    (`decode_gemm2_idle`: decode_splits_gemm2 would split them and the split form is not taken; gpt-oss-120b T=1,
+    4 experts x 23 hidden tiles of 23 K steps, ran 0.90x unsplit). The backend asks for it only under
+    DEFAULT_FUSED_DECODE.
     """
-    if fused_decode and num_tokens * top_k <= DECODE_MAX_PAIRS and \
-            expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts) * n1 / 128 <= num_sms:
-        return (DECODE_TILE, FUSED_DECODE, FUSED_DECODE)
+    if fused_decode and num_tokens * top_k <= DECODE_MAX_PAIRS:
+        tiles1 = expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts) * n1 / 128
+        if tiles1 <= num_sms or (tiles1 <= FUSED_DECODE_TILES_PER_SM * num_sms and not decode_gemm2_idle):
+            return (DECODE_TILE, FUSED_DECODE, FUSED_DECODE)
     local_slots = num_tokens * top_k * num_local_experts / max(1, num_experts)
     per_expert = local_slots / max(1, num_local_experts)
     streaming = [t for t in tiles if t in TOKEN_TILES]
@@ -591,6 +601,15 @@ def decode_kernel_for(problem) -> str:
              and decode_splits_gemm2(problem.num_tokens, problem.top_k, problem.num_experts,
                                      problem.num_local_experts, problem.hidden_size, problem.intermediate_size, ctas))
     return decode_kernel(kind, split)
+
+
+def decode_gemm2_idle(problem) -> bool:
+    """Whether FUSED_DECODE would run GEMM2's few long items unsplit (decode_splits_gemm2 says they idle the grid,
+    but the split form is off or not linked): default_tactic then takes it only where GEMM1 fits one tile an SM."""
+    ctas = DECODE_CTAS_PER_SM * num_sms(problem.device)
+    return (decode_splits_gemm2(problem.num_tokens, problem.top_k, problem.num_experts, problem.num_local_experts,
+                                problem.hidden_size, problem.intermediate_size, ctas)
+            and decode_kernel_for(problem) == decode_kernel(problem.activation.kind))
 
 
 def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pdl: bool) -> torch.Tensor:

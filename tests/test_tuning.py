@@ -405,23 +405,30 @@ def test_profile_samples_the_candidates_in_rotating_rounds():
     assert min(timings, key=timings.get) == (2,) and max(timings, key=timings.get) == (1,)
 
 
-def test_hopper_default_tactic_takes_the_fused_decode_where_gemm1_fits_one_tile_an_sm():
-    """FUSED_DECODE where it runs and GEMM1's expected weight tiles fit one an SM (measured 1.25-1.74x there), the
-    kernel chain elsewhere (0.62-1.23x with more tiles: h200_session35_checks.md)."""
+def test_hopper_default_tactic_takes_the_fused_decode_up_to_three_gemm1_tiles_an_sm():
+    """FUSED_DECODE where it runs and GEMM1's expected weight tiles fit one an SM (measured 1.25-1.74x there), and up
+    to three an SM unless GEMM2's few long items would idle the grid unsplit (1.07-1.23x at 1.4-2.7 tiles an SM;
+    gpt-oss-120b T=1 0.90x unsplit); the kernel chain from 3.4 (0.62-0.98x: h200_session35_checks.md)."""
     from moe_ext import launcher
 
     tiles, fused = launcher.TOKEN_TILES, (8, launcher.FUSED_DECODE, launcher.FUSED_DECODE)
 
-    def default(*shape, fits=True):
-        return launcher.default_tactic(*shape, tiles, 132, fused_decode=fits)
+    def default(*shape, fits=True, idle=False):
+        return launcher.default_tactic(*shape, tiles, 132, fused_decode=fits, decode_gemm2_idle=idle)
 
     assert default(1, 8, 128, 128, 1536, 2048) == fused  # Qwen3 T=1: 8 experts x 12 tiles
     assert default(1, 8, 128, 128, 1536, 2048, fits=False) != fused  # deterministic finalize, w4a4, ...
-    assert default(2, 8, 128, 128, 1536, 2048) != fused  # ~15.5 experts x 12
+    assert default(2, 8, 128, 128, 1536, 2048) == fused  # ~15.5 experts x 12: 1.23x
+    assert default(4, 8, 128, 128, 1536, 2048) == fused  # ~29 x 12: 1.07x
+    assert default(8, 8, 128, 128, 1536, 2048) != fused  # ~52 x 12: 0.84x
     assert default(4, 8, 256, 32, 4096, 7168) == fused  # DeepSeek-V3 EP8 T=4: ~3.8 local experts x 32
-    assert default(8, 8, 256, 32, 4096, 7168) != fused  # ~7.1 x 32
-    assert default(1, 4, 128, 128, 5760, 2880) != fused  # gpt-oss-120b T=1: 4 x 45
-    assert default(1, 2, 8, 8, 28672, 4096) != fused  # Mixtral T=1: 2 x 224
+    assert default(8, 8, 256, 32, 4096, 7168) == fused  # ~7.1 x 32: 1.13x
+    assert default(2, 8, 256, 256, 4096, 7168) != fused  # DeepSeek-V3 T=2: ~15.5 x 32, 0.98x
+    assert default(2, 4, 128, 128, 5760, 2880) == fused  # gpt-oss-120b T=2: ~7.9 x 45, 1.08x
+    assert default(1, 4, 128, 128, 5760, 2880, idle=True) != fused  # T=1: 4 x 45, GEMM2 4 x 23 items: 0.90x
+    assert default(1, 4, 128, 128, 5760, 2880) == fused  # ... where its split form takes GEMM2 (40.6 vs 41.0 us)
+    assert default(1, 8, 256, 32, 4096, 7168, idle=True) == fused  # EP8 T=1 (one tile an SM): 1.25x even unsplit
+    assert default(1, 2, 8, 8, 28672, 4096) != fused  # Mixtral T=1: 2 x 224, 0.62x
     assert default(64, 1, 4096, 4096, 128, 128) == fused  # 64 (token, expert) pairs fit the kernel's routing ...
     assert default(72, 1, 4096, 4096, 128, 128) != fused  # ... 72 do not
 
