@@ -36,6 +36,7 @@ def assert_same_routing(got, want, ids, num_local, offset):
 CASES = [  # (T, K, num_experts, num_local, offset, tile)
     (1, 1, 8, 8, 0, 128), (7, 2, 8, 8, 0, 128), (128, 8, 256, 256, 0, 128), (515, 8, 256, 32, 224, 128),
     (4096, 8, 256, 32, 96, 128), (1280, 8, 384, 48, 0, 64), (33, 4, 2048, 2048, 0, 256), (16384, 8, 128, 128, 0, 128),
+    (4096, 8, 256, 256, 0, 144),  # the padded wgmma tile: not a power of two
 ]
 
 

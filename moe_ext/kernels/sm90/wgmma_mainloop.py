@@ -659,7 +659,7 @@ def run_roles(cfg: cutlass.Constexpr, tidx, cta, live, tok_layout, tiled_mma: cu
                 for p in cutlass.range_constexpr(-(-cfg.token_block // EPILOGUE_ROWS)):
                     rp = r + p * EPILOGUE_ROWS
                     row = item.row0 + b * cfg.token_block + rp
-                    if cutlass.const_expr(p == 0):
+                    if cutlass.const_expr(p == 0):  # rp past a 32- or 64-row block is past the limit too
                         if row < item.limit:
                             epilogue(item, n_tile, s_c, rp, half, row)
                     else:
