@@ -267,10 +267,11 @@ NARROW_WGMMA_MIN_ROWS = {32: 12, 64: WGMMA_MIN_ROWS}  # ... on each narrow tile 
 # experts with 512+ rows on average (wgmma_mainloop.TOKEN_BLOCK).
 WIDE_WGMMA_TILE = 256
 WIDE_TILE_MIN_ROWS = 512
-# 144-row routing tiles run only the wgmma GEMMs (both, 128-row weight tiles): one m64n144 block, for experts that
-# average a little under 128 rows, whose 128-row tiles leave about half of them a second, mostly padding, tile
-# (wgmma_mainloop.PADDED_TILE). Offered (tactics, workspaces) only under OFFER_PADDED_WGMMA_TILE: off until
-# tests/test_hopper_kernels.py has run on its kernels on an H200 (built in session 37 without a device).
+# 144-row routing tiles run only the wgmma GEMMs (both; GEMM2 also with 256-row weight tiles, GEMM1 with 128-row
+# ones only): one m64n144 block, for experts that average a little under 128 rows, whose 128-row tiles leave about
+# half of them a second, mostly padding, tile (wgmma_mainloop.PADDED_TILE). Offered (tactics, workspaces) only under
+# OFFER_PADDED_WGMMA_TILE: off until tests/test_hopper_kernels.py has run on its kernels on an H200 (built in
+# session 37 without a device).
 PADDED_WGMMA_TILE = 144
 OFFER_PADDED_WGMMA_TILE = False
 # The "split" of a GEMM that selects its wgmma kernel with 256-row weight tiles (32- to 128-token routing tiles): two
@@ -332,14 +333,16 @@ def gemm2_kernel(mode: str, tile: int, split: int) -> str:
 
 def wide_weights(mode: str, kind: str, n1: int, hidden: int) -> tuple[bool, bool]:
     """Whether GEMM1 (n1 weight rows a launch) and GEMM2 (hidden rows) can take WGMMA_WIDE: the wgmma forward and
-    the GEMM's 256-row kernel linked (on the narrow wgmma tiles too, where those are linked), and its weight rows a
-    multiple of 256."""
+    the GEMM's 256-row kernel linked (on the narrow wgmma tiles too, where those are linked, and for GEMM2 on the
+    padded tile, where its GEMM2 is linked: GEMM1 has no 256-row form there), and its weight rows a multiple of
+    256."""
     tiles = (WGMMA_TILE,) + narrow_wgmma_tiles(mode, kind)
+    padded = (PADDED_WGMMA_TILE,) if has_kernel(gemm2_kernel(mode, PADDED_WGMMA_TILE, WGMMA)) else ()
     linked = has_wgmma(mode, kind)
     return (linked and n1 % WIDE_WEIGHT_ROWS == 0
             and all(has_kernel(gemm1_kernel(mode, kind, t, WGMMA_WIDE)) for t in tiles),
             linked and hidden % WIDE_WEIGHT_ROWS == 0
-            and all(has_kernel(gemm2_kernel(mode, t, WGMMA_WIDE)) for t in tiles))
+            and all(has_kernel(gemm2_kernel(mode, t, WGMMA_WIDE)) for t in tiles + padded))
 
 
 def kernel_forms(mode: str, kind: str, n1: int, hidden: int) -> dict:
@@ -379,8 +382,9 @@ def narrow_wgmma_tiles(mode: str, kind: str) -> tuple:
 def tactics(tiles: tuple, wgmma: bool = False, wide: tuple = (False, False), three_ctas: bool = False,
             narrow_wgmma: tuple = ()) -> list[tuple]:
     """Hopper tactics: (routing tile, GEMM1 K split or WGMMA, GEMM2 K split or WGMMA); WGMMA on both GEMMs or neither. A
-    tile outside TOKEN_TILES (WIDE_WGMMA_TILE) runs only as (tile, WGMMA, WGMMA). `wide` (wide_weights): the GEMMs that
-    may take WGMMA_WIDE on 128-token tiles. `three_ctas` (has_three_ctas): on THREE_CTA_TILES, either GEMM may take
+    tile outside TOKEN_TILES (WIDE_WGMMA_TILE, PADDED_WGMMA_TILE) runs only as (tile, WGMMA, WGMMA), the padded one also
+    as (tile, WGMMA, WGMMA_WIDE) where `wide` allows. `wide` (wide_weights): the GEMMs that may take WGMMA_WIDE on
+    128-token tiles. `three_ctas` (has_three_ctas): on THREE_CTA_TILES, either GEMM may take
     THREE_CTAS in place of a K split. `narrow_wgmma` (narrow_wgmma_tiles): these streaming tiles also run both GEMMs on
     wgmma kernels (either of them WGMMA_WIDE where `wide` allows)."""
 
@@ -397,6 +401,7 @@ def tactics(tiles: tuple, wgmma: bool = False, wide: tuple = (False, False), thr
     if wgmma:
         out += [(t, s1, s2) for t in narrow_wgmma if t in tiles for s1 in firsts for s2 in seconds]
         out += [(t, WGMMA, WGMMA) for t in tiles if t not in TOKEN_TILES]
+        out += [(t, WGMMA, WGMMA_WIDE) for t in tiles if t == PADDED_WGMMA_TILE and wide[1]]
     return out
 
 
@@ -673,10 +678,11 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     wgmma = is_wgmma(k_splits[0])
     if wgmma != is_wgmma(k_splits[1]):  # the wgmma GEMMs' token operands are in their K order (routing.py)
         raise ValueError(f"k_splits {k_splits}: both GEMMs run the wgmma kernels or neither does")
-    if routing.tile_size not in TOKEN_TILES and k_splits != (WGMMA, WGMMA):
+    wgmma_only = [(WGMMA, WGMMA)] + ([(WGMMA, WGMMA_WIDE)] if routing.tile_size == PADDED_WGMMA_TILE else [])
+    if routing.tile_size not in TOKEN_TILES and k_splits not in wgmma_only:
         raise ValueError(f"k_splits {k_splits}: a {routing.tile_size}-token routing tile runs only the wgmma "
-                         f"kernels, (WGMMA, WGMMA)")
-    wide_tiles = NARROW_WGMMA_TILES + (WGMMA_TILE,)
+                         f"kernels, {' or '.join(map(str, wgmma_only))}")
+    wide_tiles = NARROW_WGMMA_TILES + (WGMMA_TILE, PADDED_WGMMA_TILE)  # the padded one: GEMM2 only, above
     if WGMMA_WIDE in k_splits and routing.tile_size not in wide_tiles:
         raise ValueError(f"k_splits {k_splits}: WGMMA_WIDE runs on {wide_tiles}-token routing tiles, not "
                          f"{routing.tile_size}")

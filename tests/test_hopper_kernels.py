@@ -46,7 +46,7 @@ def check_against_reference(case, fused, every_tile=True, **over):
     if not every_tile:  # the smallest tile unsplit and the largest split: both kernels' paths, half the runs
         chosen = [(tiles[0], 1, 1), (tiles[-1], 2, 4)]
     wgmma = [t for t in [(launcher.WGMMA_TILE, W, W), (launcher.WIDE_WGMMA_TILE, W, W), (launcher.WGMMA_TILE, WW, WW),
-                         (PADDED, W, W)]
+                         (PADDED, W, W), (PADDED, W, WW)]
              + [(t, s, s) for t in launcher.NARROW_WGMMA_TILES for s in (W, WW)]
              if t in HOPPER.tactics(problem)]  # the wgmma GEMMs (both)
     assert (launcher.WGMMA_TILE, W, W) in wgmma, "every mode links the wgmma GEMMs"  # and the 256 ones, when built
@@ -144,18 +144,19 @@ def test_part_filled_routing_tiles_at_their_edges(mode):
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_pt", "w4a8"])
 def test_padded_wgmma_tile_at_its_edges(mode):
-    """The 144-row routing tile (one m64n144 wgmma block; its epilogue covers rows 128-143 in a second pass):
-    experts of 1, 16, 17, 127, 128, 143, 144, 145, 160, 288 and 289 rows, against the reference, both finalizes."""
+    """The 144-row routing tile (one m64n144 wgmma block; its epilogue covers rows 128-143 in a second pass), GEMM2
+    with 128 and with 256 weight rows: experts of 1, 16, 17, 127, 128, 143, 144, 145, 160, 288 and 289 rows, against
+    the reference, both finalizes."""
     case = case_with_expert_rows(mode, [1, 16, 17, 127, 128, 143, 144, 145, 160, 288, 289], seed=9)
     for fused in (True, False):
         kw = case.kwargs(use_fused_finalize=fused)
         problem = build_problem(**kw)
-        assert (PADDED, W, W) in HOPPER.tactics(problem), "the build links the 144-row wgmma GEMMs"
         expected, gate = reference_and_gate(problem, TOLERANCE[case.mode])
-        out = moe_ext.cute_dsl_fused_moe(**kw, moe_output=torch.full_like(expected, float("nan")),
-                                         tactic=(PADDED, W, W))
-        assert torch.isfinite(out).all()
-        assert rel_l2(out, expected) <= gate, (fused, rel_l2(out, expected), gate)
+        for tactic in ((PADDED, W, W), (PADDED, W, WW)):  # GEMM2 with 128 and 256 weight rows
+            assert tactic in HOPPER.tactics(problem), "the build links the 144-row wgmma GEMMs"
+            out = moe_ext.cute_dsl_fused_moe(**kw, moe_output=torch.full_like(expected, float("nan")), tactic=tactic)
+            assert torch.isfinite(out).all(), tactic
+            assert rel_l2(out, expected) <= gate, (tactic, fused, rel_l2(out, expected), gate)
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "relu2"])

@@ -272,6 +272,20 @@ def test_narrow_wgmma_tiles_launch_their_own_wgmma_kernels(monkeypatch, tile, k_
     assert all(c[2][-1] == 1 for c in gemms)
 
 
+@pytest.mark.parametrize("k_splits", [(0, 0), (0, -1)])
+def test_padded_wgmma_tile_launches_its_kernels_and_256_weight_rows_only_on_gemm2(monkeypatch, k_splits):
+    """144-token routing tiles run the wgmma GEMMs built for them (one m64n144 block a tile), GEMM2 also in the
+    256-weight-row form; GEMM1 has none (WGMMA_WIDE on it is refused before any launch), nor do streaming splits."""
+    tile = launcher.PADDED_WGMMA_TILE
+    _, calls, _, _ = fake_forward(monkeypatch, "w4a16", True, tile=tile, k_splits=k_splits)
+    gemms = [c[0] for c in calls if c[0].startswith("moe_gemm")]
+    assert gemms == [f"moe_gemm1_w4a16_swiglu_t{tile}_wgmma",
+                     f"moe_gemm2_w4a16_t{tile}_wgmma" + ("_n256" if k_splits[1] == launcher.WGMMA_WIDE else "")]
+    for refused in ((launcher.WGMMA_WIDE, launcher.WGMMA), (launcher.WGMMA_WIDE, launcher.WGMMA_WIDE), (1, 1)):
+        with pytest.raises(ValueError, match="runs only the wgmma kernels"):
+            fake_forward(monkeypatch, "w4a16", True, tile=tile, k_splits=refused)
+
+
 @pytest.mark.parametrize("tile", [8, 16])
 def test_wgmma_wide_is_refused_on_streaming_only_tiles(monkeypatch, tile):
     with pytest.raises(ValueError, match="WGMMA_WIDE runs on"):

@@ -252,7 +252,7 @@ def test_wide_weight_kernels_are_named_and_offered_only_where_rows_allow(monkeyp
 
 
 def test_padded_wgmma_tile_is_offered_only_when_switched_on_and_never_the_default(monkeypatch):
-    """The 144-row routing tile (one m64n144 wgmma block) runs only the wgmma GEMMs, both on 128-row weight tiles;
+    """The 144-row routing tile (one m64n144 wgmma block) runs only the wgmma GEMMs, GEMM1 on 128-row weight tiles;
     workspaces and tactics include it only under OFFER_PADDED_WGMMA_TILE (off until its GPU tests pass), and the
     heuristic does not take it (DeepSeek-V3 at T=4096, ~128 rows an expert, stays on 128-token tiles)."""
     from moe_ext import launcher
@@ -273,8 +273,11 @@ def test_padded_wgmma_tile_is_offered_only_when_switched_on_and_never_the_defaul
     tiles = launcher.TOKEN_TILES + (144,)
     assert set(launcher.tactics(tiles, wgmma=True)) - set(launcher.tactics(launcher.TOKEN_TILES, wgmma=True)) == {
         (144, W, W)}
+    WW = launcher.WGMMA_WIDE  # GEMM2 only: GEMM1's gather has no registers for them at 256 weight rows
     assert set(launcher.tactics(tiles, wgmma=True, wide=(True, True))) - set(launcher.tactics(
-        launcher.TOKEN_TILES, wgmma=True, wide=(True, True))) == {(144, W, W)}  # no 256-row weight tiles on it
+        launcher.TOKEN_TILES, wgmma=True, wide=(True, True))) == {(144, W, W), (144, W, WW)}
+    assert set(launcher.tactics(tiles, wgmma=True, wide=(True, False))) - set(launcher.tactics(
+        launcher.TOKEN_TILES, wgmma=True, wide=(True, False))) == {(144, W, W)}
     assert launcher.tactics(tiles) == launcher.tactics(launcher.TOKEN_TILES)  # without the wgmma GEMMs, none
     assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132, True)[0] == 128
 

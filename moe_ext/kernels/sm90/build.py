@@ -56,12 +56,13 @@ def specialisations():
     # The warp-specialised wgmma GEMMs for large T (128- and 256-token routing tiles, 128- and 256-row weight
     # tiles, bf16 operands); the routing launches that also decode quantized activations, and the per-token
     # quantizer that writes its quantization decoded, for both GEMM families.
-    for tokens, rows in wgmma_mainloop.SHAPES:
+    for tokens, rows in wgmma_mainloop.GEMM2_SHAPES:
         suffix = f"_t{tokens}_wgmma" + ("" if rows == 128 else f"_n{rows}")
-        specs += [(f"moe_gemm1_{mode}_{kind}{suffix}",
-                   functools.partial(gemm1_wgmma.compile_gemm1_wgmma, mode, kind, tile=tokens, weight_rows=rows))
-                  for mode in gemm1_wgmma.MODES for kind in activations.KINDS
-                  if not (mode == "w4a8" and kind == "situ")]
+        if (tokens, rows) in wgmma_mainloop.SHAPES:
+            specs += [(f"moe_gemm1_{mode}_{kind}{suffix}",
+                       functools.partial(gemm1_wgmma.compile_gemm1_wgmma, mode, kind, tile=tokens, weight_rows=rows))
+                      for mode in gemm1_wgmma.MODES for kind in activations.KINDS
+                      if not (mode == "w4a8" and kind == "situ")]
         specs += [(f"moe_gemm2_{mode}{suffix}", functools.partial(gemm2_wgmma.compile_gemm2_wgmma, mode,
                                                                   tile=tokens, weight_rows=rows))
                   for mode in gemm2_wgmma.MODES]

@@ -77,6 +77,8 @@ PADDED_TILE = 144
 TILES = (32, 64, 128, PADDED_TILE, 256)  # the routing tiles the wgmma GEMMs are built for
 # (routing tile, weight rows) of every wgmma GEMM built: at most two accumulators (blocks x halves) fit the registers
 SHAPES = ((32, 128), (32, 256), (64, 128), (64, 256), (128, 128), (256, 128), (128, 256), (PADDED_TILE, 128))
+# ... and the GEMM2 only ones (config_for_tile): its token stages come by TMA, so its copier needs few registers
+GEMM2_SHAPES = SHAPES + ((PADDED_TILE, 256),)
 
 
 # K order of the wgmma GEMMs' bf16 operands. The order of K inside an MMA is free as long as both operands agree,
@@ -227,11 +229,13 @@ def config_for_tile(tile: int, sf_block: int, weight_rows: int = 128) -> WgmmaCo
     if tile == 256:
         assert weight_rows == 128, "two token blocks and two weight halves would need four accumulators"
         return WgmmaConfig(bm=256, stages=4, copier_regs=56, consumer_regs=224, sf_block=sf_block)
-    if tile == PADDED_TILE:
-        # Not with 256 weight rows: two m64n144 accumulators serialise every wgmma at 232 consumer registers, and
-        # at 240 the gathering copier's 24 spill its 9 row addresses in every stage. s_c takes 76 KB of the 212.
-        assert weight_rows == 128, "the 144-row tile runs 128-row weight tiles only"
-        return WgmmaConfig(bm=tile, bn=weight_rows, sf_block=sf_block, zero_padding=True)
+    if tile == PADDED_TILE and weight_rows == 256:
+        # GEMM2 only (GEMM2_SHAPES): two m64n144 accumulators serialise every wgmma at 232 consumer registers; at 240
+        # the copier keeps 24, too few for GEMM1's gather (its 9 row addresses spill in every stage) but enough for
+        # GEMM2's TMA token boxes. 5 stages of 27 KB and the 76 KB s_c.
+        return WgmmaConfig(bm=tile, bn=256, stages=5, sf_block=sf_block, copier_regs=24, consumer_regs=240)
+    if tile == PADDED_TILE:  # 6 stages of 22.5 KB and the 76 KB s_c
+        return WgmmaConfig(bm=tile, sf_block=sf_block, zero_padding=True)
     return WgmmaConfig(bn=weight_rows, sf_block=sf_block, zero_padding=True)
 
 
