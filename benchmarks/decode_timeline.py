@@ -1,7 +1,8 @@
 """Where the one-launch decode's time goes, CTA by CTA: runs the timeline build of decode_fused.py (each CTA's thread 0
 writes the SM clock at fixed points, decode_fused.TIMELINE) at a few (shape, T) points and prints, per point, when
-the CTAs reach each point (medians over forwards of the median and the last CTA) and how long each piece of an
-item takes (start -> first token staging -> first stages landed -> mainloop done -> epilogue done).
+the CTAs reach each point (medians over forwards of the median and the last CTA), how long each piece of an
+item takes (start -> first token staging -> first stages landed -> mainloop done -> epilogue done) and a mainloop
+step once its first stages are in.
 
     python3 benchmarks/decode_phase_variants.py .kernels_phase --variants timeline       # here, no GPU
     # there: a complete build with .kernels_phase/timeline/* over it installed, then
@@ -21,7 +22,9 @@ import sys
 TIMELINE_WORDS = 32  # decode_fused.TIMELINE_WORDS (not imported: the GPU machine may lack CuTe-DSL)
 SLOTS = dict(start_ns_lo=0, start_ns_hi=1, sm=2, start=3, waited=4, routed=5, zeroed=6, barrier_passed=7,
              end=24, end_ns_lo=25, end_ns_hi=26)  # decode_fused.TIMELINE
-PHASE_WORDS = ("item", "staged", "landed", "first_done", "last_done", "end", "items")  # decode_fused.TIMELINE_PHASE
+# decode_fused.TIMELINE_PHASE: clock marks, then two counts
+PHASE_WORDS = ("item", "staged", "landed", "first_done", "last_done", "end", "items", "steps")
+PHASE_MARKS = PHASE_WORDS[:-2]
 PHASES = ("gemm1", "gemm2")
 
 
@@ -42,7 +45,8 @@ def decode_cta(words: list, clock_mhz: float) -> dict:
         base = 8 + 8 * p
         items = words[base + PHASE_WORDS.index("items")]
         cta[f"{phase}_items"] = items
-        for i, name in enumerate(PHASE_WORDS[:-1]):
+        cta[f"{phase}_steps"] = words[base + PHASE_WORDS.index("steps")]
+        for i, name in enumerate(PHASE_MARKS):
             cta[f"{phase}_{name}"] = since_start(base + i) if items else None
     return cta
 
@@ -53,8 +57,8 @@ def forward_summary(ctas: list) -> dict:
     first = min(c["start_ns"] for c in ctas)
     out = dict(span_ns=max(c["end_ns"] for c in ctas) - first,
                start_spread_ns=max(c["start_ns"] for c in ctas) - first)
-    marks = ["waited", "routed", "zeroed"] + [f"gemm1_{n}" for n in PHASE_WORDS[:-1]] + ["barrier_passed"] + [
-        f"gemm2_{n}" for n in PHASE_WORDS[:-1]] + ["end"]
+    marks = ["waited", "routed", "zeroed"] + [f"gemm1_{n}" for n in PHASE_MARKS] + ["barrier_passed"] + [
+        f"gemm2_{n}" for n in PHASE_MARKS] + ["end"]
     for mark in marks:
         at = sorted(c["start_ns"] - first + c[mark] for c in ctas if c[mark] is not None)
         if at:
@@ -67,6 +71,13 @@ def forward_summary(ctas: list) -> dict:
                            if c[f"{phase}_{a}"] is not None and c[f"{phase}_{b}"] is not None)
             if spans:
                 out[f"{phase}_{piece}"] = dict(median=statistics.median(spans), longest=spans[-1])
+        # The mainloop's steps after its first group of two landed: a step's time once data is there (latency-
+        # bound rings wait at each refill; issue-bound ones take the decode's instructions a step)
+        per_step = sorted((c[f"{phase}_first_done"] - c[f"{phase}_landed"]) / (c[f"{phase}_steps"] - 2) for c in ctas
+                          if c[f"{phase}_landed"] is not None and c[f"{phase}_first_done"] is not None
+                          and c[f"{phase}_steps"] > 2)
+        if per_step:
+            out[f"{phase}_per_step"] = dict(median=statistics.median(per_step), longest=per_step[-1])
     # The barrier: its last arrival (the latest GEMM1 end) against its first and last release.
     arrive = [c["start_ns"] - first + c["gemm1_end"] for c in ctas if c["gemm1_end"] is not None]
     leave = [c["start_ns"] - first + c["barrier_passed"] for c in ctas if c["barrier_passed"] is not None]

@@ -596,8 +596,9 @@ def test_ncu_stall_summary_groups_by_opcode_and_by_execution_count(tmp_path, cap
     assert ("100", "18.2%", "55.0%") in shares and ("600", "54.5%", "30.0%") in shares
 
 
-def _timeline_words(sm, start_ns, start_clock, marks, gemm1_items, gemm2_items, end):
-    """A CTA's decode_fused.TIMELINE words: `marks` maps a mark to its clock count after `start_clock`."""
+def _timeline_words(sm, start_ns, start_clock, marks, gemm1_items, gemm2_items, end, steps=(8, 6)):
+    """A CTA's decode_fused.TIMELINE words: `marks` maps a mark to its clock count after `start_clock`; `steps`:
+    each phase's K steps an item."""
     dt = load_benchmark("decode_timeline")
     words = [0] * dt.TIMELINE_WORDS
     end_ns = start_ns + end
@@ -611,6 +612,7 @@ def _timeline_words(sm, start_ns, start_clock, marks, gemm1_items, gemm2_items, 
             word = dt.SLOTS[name]
         words[word] = (start_clock + cycles) % 2**32
     words[8 + 6], words[16 + 6] = gemm1_items, gemm2_items
+    words[8 + 7], words[16 + 7] = steps
     return words
 
 
@@ -637,6 +639,7 @@ def test_decode_timeline_lines_up_ctas_and_times_each_piece_of_an_item():
     assert summary["at_gemm1_landed"] == dict(median=2_200, last=2_400, ctas=3)
     assert summary["gemm1_mainloop"] == dict(median=2_800, longest=3_800)
     assert summary["gemm1_epilogue"] == dict(median=500, longest=500)
+    assert summary["gemm1_per_step"] == dict(median=1_800 / 6, longest=2_800 / 6)  # after the first 2 of 8 steps
     assert summary["barrier_open_ns"] == 5_900 - 5_500  # the first release after the last arrival
     assert summary["sms_with_two_gemm1_ctas"] == 1
     twice = dt.summarize([summary, dict(summary, span_ns=9_400)])
@@ -644,6 +647,19 @@ def test_decode_timeline_lines_up_ctas_and_times_each_piece_of_an_item():
     assert twice["at_gemm1_landed"] == dict(median=2_200, last=2_400, ctas=3)
     assert twice["gemm2_mainloop"] == dict(median=1_900, longest=1_900)
     assert "barrier opens 0.40 us" in dt.format_summary("x", twice)
+
+
+def test_decode_timeline_reads_the_words_the_kernel_writes():
+    """benchmarks/decode_timeline.py keeps its own copy of decode_fused's timeline layout (the GPU machine runs it
+    without CuTe-DSL): the two must agree."""
+    pytest.importorskip("cutlass")
+    from moe_ext.kernels.sm90 import decode_fused
+
+    dt = load_benchmark("decode_timeline")
+    assert dt.TIMELINE_WORDS == decode_fused.TIMELINE_WORDS and dt.SLOTS == decode_fused.TIMELINE
+    assert dt.PHASE_WORDS == decode_fused.TIMELINE_PHASE
+    assert max(dt.SLOTS.values()) < dt.TIMELINE_WORDS and 16 + len(dt.PHASE_WORDS) <= min(
+        v for v in dt.SLOTS.values() if v >= 16)  # GEMM2's words end before the end marks
 
 
 def test_tactic_table_ranks_tactics_by_their_geometric_mean_over_draws():

@@ -50,11 +50,11 @@ BLOCK = 16  # NVFP4 weight scales
 # them (benchmarks/decode_timeline.py). Clocks are the SM's cycle counter; the *_ns words the GPU's global timer.
 # A phase's words start at 8 (GEMM1) and 16 (GEMM2): its first item's start, first token staging done, first
 # stages landed, first item's mainloop done (accumulators in shared memory), last item's mainloop done, the
-# phase's end (items and their epilogues done), the phase's item count.
+# phase's end (items and their epilogues done), the phase's item count, the K steps of an item (its range).
 TIMELINE_WORDS = 32
 TIMELINE = dict(start_ns_lo=0, start_ns_hi=1, sm=2, start=3, waited=4, routed=5, zeroed=6, barrier_passed=7,
                 end=24, end_ns_lo=25, end_ns_hi=26)
-TIMELINE_PHASE = ("item", "staged", "landed", "first_done", "last_done", "end", "items")
+TIMELINE_PHASE = ("item", "staged", "landed", "first_done", "last_done", "end", "items", "steps")
 
 
 class RoutePlan(NamedTuple):
@@ -332,6 +332,7 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                 cute.arch.sync_threads()  # the next item's staging overwrites sm.out
             mark(timeline, tid, timeline0, phase_words + 5)
             mark_value(timeline, tid, timeline0, phase_words + 6, items)
+            mark_value(timeline, tid, timeline0, phase_words + 7, (k_extent // cfg.k_step + ranges - 1) // ranges)
         if cutlass.const_expr(timeline):
             mark(timeline, tid, timeline0, TIMELINE["end"])
             end_ns = ptx.global_timer()
