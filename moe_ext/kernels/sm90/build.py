@@ -53,9 +53,10 @@ def specialisations():
         specs += [(f"moe_gemm2_{mode}_t{tokens}_3cta", functools.partial(gemm2.compile_gemm2, mode, tokens,
                                                                          three_ctas=True))
                   for mode in gemm2.MODES]
-    # The warp-specialised wgmma GEMMs for large T (128- and 256-token routing tiles, 128- and 256-row weight
-    # tiles, bf16 operands); the routing launches that also decode quantized activations, and the per-token
-    # quantizer that writes its quantization decoded, for both GEMM families.
+    # The warp-specialised wgmma GEMMs for large T (32- to 256-token routing tiles, 128- and 256-row weight tiles,
+    # bf16 operands; some shapes GEMM2 only: wgmma_mainloop.GEMM2_SHAPES); the routing launches that also decode
+    # quantized activations, and the per-token quantizer that writes its quantization decoded, for both GEMM
+    # families.
     for tokens, rows in wgmma_mainloop.GEMM2_SHAPES:
         suffix = f"_t{tokens}_wgmma" + ("" if rows == 128 else f"_n{rows}")
         if (tokens, rows) in wgmma_mainloop.SHAPES:

@@ -196,6 +196,7 @@ def global_timer(*, loc=None, ip=None) -> list:
 
 @dsl_user_op
 def sm_id(*, loc=None, ip=None) -> Int32:
+    """The SM this CTA runs on (decode_fused's timeline: which CTAs share an SM)."""
     return Int32(_asm(1, [], "mov.u32 $0, %smid;", "=r", side_effects=True))
 
 
