@@ -16,6 +16,7 @@ the per-CTA durations are exact and the offsets between CTAs approximate. The bu
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -129,7 +130,7 @@ def run_point(shape, num_tokens: int, reps: int, min_local_pairs: int, tactic: t
     from moe_ext import launcher
     from moe_ext.bench import Point, gpu_state, l2_bytes, moe_ext_inputs, random_moe_ext_weights, supported_dims
 
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from profile_kernels import routing_with_local_pairs
 
     device = torch.device("cuda")
