@@ -597,24 +597,29 @@ def fits_fused_decode(problem) -> bool:
             and 0 < problem.num_tokens * problem.top_k <= DECODE_MAX_PAIRS)
 
 
+def _decode_gemm2_wants_split(problem) -> bool:
+    """decode_splits_gemm2 for this problem on the cooperative grid of its device."""
+    return decode_splits_gemm2(problem.num_tokens, problem.top_k, problem.num_experts, problem.num_local_experts,
+                               problem.hidden_size, problem.intermediate_size,
+                               DECODE_CTAS_PER_SM * num_sms(problem.device))
+
+
+def _decode_split_form_taken(kind: str) -> bool:
+    """Whether FUSED_DECODE may take the split_gemm2 form: DECODE_SPLIT_GEMM2 on and the form linked."""
+    return DECODE_SPLIT_GEMM2 and has_kernel(decode_kernel(kind, True))
+
+
 def decode_kernel_for(problem) -> str:
     """The FUSED_DECODE kernel form `problem` launches: the one that splits GEMM2's K where DECODE_SPLIT_GEMM2 allows
     it, decode_splits_gemm2 expects it to pay and it is linked, else the unsplit one."""
     kind = problem.activation.kind
-    ctas = DECODE_CTAS_PER_SM * num_sms(problem.device)
-    split = (DECODE_SPLIT_GEMM2 and has_kernel(decode_kernel(kind, True))
-             and decode_splits_gemm2(problem.num_tokens, problem.top_k, problem.num_experts,
-                                     problem.num_local_experts, problem.hidden_size, problem.intermediate_size, ctas))
-    return decode_kernel(kind, split)
+    return decode_kernel(kind, _decode_split_form_taken(kind) and _decode_gemm2_wants_split(problem))
 
 
 def decode_gemm2_idle(problem) -> bool:
     """Whether FUSED_DECODE would run GEMM2's few long items unsplit (decode_splits_gemm2 says they idle the grid,
     but the split form is off or not linked): default_tactic then takes it only where GEMM1 fits one tile an SM."""
-    ctas = DECODE_CTAS_PER_SM * num_sms(problem.device)
-    return (decode_splits_gemm2(problem.num_tokens, problem.top_k, problem.num_experts, problem.num_local_experts,
-                                problem.hidden_size, problem.intermediate_size, ctas)
-            and decode_kernel_for(problem) == decode_kernel(problem.activation.kind))
+    return _decode_gemm2_wants_split(problem) and not _decode_split_form_taken(problem.activation.kind)
 
 
 def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pdl: bool) -> torch.Tensor:

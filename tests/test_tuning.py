@@ -436,6 +436,33 @@ def test_hopper_default_tactic_takes_the_fused_decode_up_to_three_gemm1_tiles_an
     assert default(72, 1, 4096, 4096, 128, 128) != fused  # ... 72 do not
 
 
+def test_fused_decode_form_and_idle_gemm2_follow_the_split_switch(monkeypatch):
+    """decode_kernel_for takes the split_gemm2 form where decode_splits_gemm2 wants it, DECODE_SPLIT_GEMM2 is on and
+    the form is linked; decode_gemm2_idle is the rest of the cases where it wants it (GEMM2 would run unsplit)."""
+    import types
+
+    from moe_ext import launcher
+
+    monkeypatch.setattr(launcher, "num_sms", lambda device: 132)
+    linked = {True}
+    monkeypatch.setattr(launcher, "has_kernel", lambda name: not name.endswith("_split2") or True in linked)
+
+    def problem(T, k, E, E_local, H, I):
+        return types.SimpleNamespace(num_tokens=T, top_k=k, num_experts=E, num_local_experts=E_local, hidden_size=H,
+                                     intermediate_size=I, device=None, activation=types.SimpleNamespace(kind="swiglu"))
+
+    gpt_oss, qwen3 = problem(1, 4, 128, 128, 2944, 2880), problem(1, 8, 128, 128, 2048, 768)
+    for switch, form, idle in ((False, "moe_decode_w4a16_swiglu", True),
+                               (True, "moe_decode_w4a16_swiglu_split2", False)):
+        monkeypatch.setattr(launcher, "DECODE_SPLIT_GEMM2", switch)
+        assert launcher.decode_kernel_for(gpt_oss) == form and launcher.decode_gemm2_idle(gpt_oss) == idle
+        # Qwen3 T=1's 6-step GEMM2 never wants the split: unsplit and not idle, whatever the switch
+        assert launcher.decode_kernel_for(qwen3) == "moe_decode_w4a16_swiglu"
+        assert not launcher.decode_gemm2_idle(qwen3)
+    linked.clear()  # the switch on but the form not linked: unsplit, idle
+    assert launcher.decode_kernel_for(gpt_oss) == "moe_decode_w4a16_swiglu" and launcher.decode_gemm2_idle(gpt_oss)
+
+
 def test_fused_decode_splits_gemm2_where_few_items_of_a_long_k_leave_the_grid_idle():
     """The split-GEMM2 form where the expected GEMM2 items (a tile an expert hit x 128 hidden rows) leave room for
     two K ranges of 4+ steps each on the two-CTA grid of 132 SMs: the points session 36 measured faster split
