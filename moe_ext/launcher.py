@@ -16,7 +16,7 @@ import torch
 from .activation import LOG2E
 from .plan import ROLES
 from .quant.swizzle import swizzled_size
-from .routing import Routing, expected_experts_hit, max_num_tiles
+from .routing import Routing, expected_experts_hit, expected_tile_fill, max_num_tiles
 
 
 @functools.lru_cache(maxsize=None)
@@ -274,6 +274,11 @@ WIDE_TILE_MIN_ROWS = 512
 # session 37 without a device).
 PADDED_WGMMA_TILE = 144
 OFFER_PADDED_WGMMA_TILE = False
+# The default tactic takes the 144-row tile where the rows it multiplies are fewer than the 128-row tile's by this
+# factor (routing.expected_tile_fill): it gives up GEMM1's 256-row weight tiles, 1.04-1.14x at T = 4096. Modelled,
+# not measured: DeepSeek-V3 / EP8 / gpt-oss-120b T=4096 1.23 (taken); ~256 rows an expert (Qwen3-30B-A3B T=4096,
+# DeepSeek-V3 T=8192, Mixtral-8x7B T=1024) 1.10 (not).
+PADDED_TILE_MIN_GAIN = 1.15
 # The "split" of a GEMM that selects its wgmma kernel with 256-row weight tiles (32- to 128-token routing tiles): two
 # weight halves share each gathered token stage, halving the token rows a CTA reads per MMA. The GEMM's weight rows
 # (of one launch) must be a multiple of 256.
@@ -434,6 +439,9 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     (NARROW_WGMMA_MIN_ROWS), the 32-token wgmma tiles, in the widest weight tiles allowed: at 12-24 rows 1.06-1.60x
     faster kernels than the streaming default, at 8 rows (gpt-oss T=256) 0.96x (h200_session25_checks.md; slower
     than streaming before the wgmma token K order, session 23).
+    Where the 144-row tile is offered (OFFER_PADDED_WGMMA_TILE) and its tiles would multiply PADDED_TILE_MIN_GAIN
+    fewer rows than 128-row ones (routing.expected_tile_fill: experts averaging a little under 128 rows), it takes
+    (144, WGMMA, WGMMA_WIDE where GEMM2's rows allow).
     An 8-token tile whose GEMM1 would launch SIXTEEN_OVER_EIGHT_WAVES+ CTAs an SM takes 16 tokens instead.
     On a THREE_CTA_TILES tile (`three_ctas`), an unsplit GEMM whose expected CTAs fill three an SM takes THREE_CTAS:
     GEMM1 1.06-1.21x and GEMM2 1.27-1.80x there; at 256 CTAs it was 0.76-0.96x (h200_session17_checks.md).
@@ -461,6 +469,10 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     fitting = [t for t in narrow_wgmma if t in tiles and per_expert < t]
     if wgmma and fitting and per_expert >= NARROW_WGMMA_MIN_ROWS[min(fitting)]:
         return (min(fitting), *(WGMMA_WIDE if w else WGMMA for w in wide))
+    if wgmma and tile == WGMMA_TILE and PADDED_WGMMA_TILE in tiles and (
+            expected_tile_fill(num_tokens, top_k, num_experts, PADDED_WGMMA_TILE)
+            >= PADDED_TILE_MIN_GAIN * expected_tile_fill(num_tokens, top_k, num_experts, WGMMA_TILE)):
+        return (PADDED_WGMMA_TILE, WGMMA, WGMMA_WIDE if wide[1] else WGMMA)
     # Live tiles: the expected experts hit with 50% margin (a split that overshoots one wave costs more than one
     # that undershoots gains), never more than the slots that can be local.
     hit = expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts)

@@ -6,6 +6,7 @@ maps serve any routing, and the torch code below needs no host synchronisation.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,26 @@ def expected_experts_hit(num_tokens: int, top_k: int, num_experts: int, num_loca
     """Mean local experts a random routing hits: with i.i.d. router logits each expert is in a token's top-k with
     probability k/E, independently across tokens (sizing decisions made before any routing exists)."""
     return num_local_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
+
+
+def expected_tile_fill(num_tokens: int, top_k: int, num_experts: int, tile: int) -> float:
+    """Routed rows over the rows a random routing's tiles multiply (each expert's rows padded to a multiple of
+    `tile`). An expert's rows are Binomial(T, k/E) under i.i.d. router logits; the pmf is summed over mean +- 12 sigma
+    in the log domain, which T in the tens of thousands needs."""
+    p = min(1.0, top_k / num_experts)
+    mean = num_tokens * p
+    if mean == 0 or p == 1.0:
+        return 1.0 if mean == 0 else mean / (math.ceil(mean / tile) * tile)
+    sigma = math.sqrt(mean * (1.0 - p))
+    lo, hi = max(0, int(mean - 12 * sigma)), min(num_tokens, int(mean + 12 * sigma) + 1)
+    log_norm = math.lgamma(num_tokens + 1)
+    padded = mass = 0.0
+    for rows in range(lo, hi + 1):
+        w = math.exp(log_norm - math.lgamma(rows + 1) - math.lgamma(num_tokens - rows + 1)
+                     + rows * math.log(p) + (num_tokens - rows) * math.log1p(-p))
+        mass += w
+        padded += w * math.ceil(rows / tile) * tile
+    return mean * mass / padded
 
 
 @dataclass

@@ -251,10 +251,9 @@ def test_wide_weight_kernels_are_named_and_offered_only_where_rows_allow(monkeyp
     assert launcher.wide_weights("w4a16", "swiglu", 4096, 7168) == (False, False)
 
 
-def test_padded_wgmma_tile_is_offered_only_when_switched_on_and_never_the_default(monkeypatch):
+def test_padded_wgmma_tile_is_offered_only_when_switched_on(monkeypatch):
     """The 144-row routing tile (one m64n144 wgmma block) runs only the wgmma GEMMs, GEMM1 on 128-row weight tiles;
-    workspaces and tactics include it only under OFFER_PADDED_WGMMA_TILE (off until its GPU tests pass), and the
-    heuristic does not take it (DeepSeek-V3 at T=4096, ~128 rows an expert, stays on 128-token tiles)."""
+    workspaces and tactics include it only under OFFER_PADDED_WGMMA_TILE (off until its GPU tests pass)."""
     from moe_ext import launcher
 
     W = launcher.WGMMA
@@ -279,7 +278,40 @@ def test_padded_wgmma_tile_is_offered_only_when_switched_on_and_never_the_defaul
     assert set(launcher.tactics(tiles, wgmma=True, wide=(True, False))) - set(launcher.tactics(
         launcher.TOKEN_TILES, wgmma=True, wide=(True, False))) == {(144, W, W)}
     assert launcher.tactics(tiles) == launcher.tactics(launcher.TOKEN_TILES)  # without the wgmma GEMMs, none
-    assert launcher.default_tactic(4096, 8, 256, 256, 4096, 7168, tiles, 132, True)[0] == 128
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(4096, 8, 256), (4096, 4, 128), (4096, 2, 8), (300, 8, 128),
+                                                          (16384, 8, 256), (7, 1, 4)])
+def test_expected_tile_fill_matches_sampled_routings(num_tokens, top_k, num_experts):
+    """routing.expected_tile_fill (routed rows over the rows a tile multiplies) against top-k of random logits."""
+    from moe_ext.routing import expected_tile_fill
+
+    gen = torch.Generator().manual_seed(num_tokens + num_experts)
+    rows = torch.cat([torch.bincount(torch.randn(num_tokens, num_experts, generator=gen).topk(top_k).indices.flatten(),
+                                     minlength=num_experts) for _ in range(8)])
+    for tile in (8, 64, 128, 144, 256):
+        sampled = rows.sum().item() / (torch.ceil(rows / tile) * tile).sum().item()
+        assert expected_tile_fill(num_tokens, top_k, num_experts, tile) == pytest.approx(sampled, abs=0.02), tile
+
+
+def test_default_tactic_takes_the_padded_tile_where_it_multiplies_fewer_rows_by_the_margin():
+    """Where offered, the 144-row tile replaces the 128-row one where expected_tile_fill gains PADDED_TILE_MIN_GAIN:
+    DeepSeek-V3 (and its EP8 shard), gpt-oss-120b at T=4096 (~128 rows an expert: 0.68 -> 0.83), GEMM2 on 256-row
+    weight tiles where they divide; not at ~256 rows an expert (Qwen3-30B-A3B T=4096, Mixtral-8x7B T=1024: 0.81 ->
+    0.88), at 64 (DeepSeek-V3 T=2048: 0.50 -> 0.44) or without the tile offered."""
+    from moe_ext import launcher
+
+    W, WW = launcher.WGMMA, launcher.WGMMA_WIDE
+    tiles = launcher.TOKEN_TILES + (144, 256)
+    default = lambda T, k, E, E_local, n1, H, tiles=tiles: launcher.default_tactic(  # noqa: E731
+        T, k, E, E_local, n1, H, tiles, 132, wgmma=True, wide=(n1 % 256 == 0, H % 256 == 0))
+    assert default(4096, 8, 256, 256, 4096, 7168) == (144, W, WW)
+    assert default(4096, 8, 256, 32, 4096, 7168) == (144, W, WW)
+    assert default(4096, 4, 128, 128, 5760, 2880) == (144, W, W)  # gpt-oss-120b: no 256-row weight tiles
+    assert default(4096, 8, 128, 128, 1536, 2048)[0] == 128
+    assert default(1024, 2, 8, 8, 28672, 4096)[0] == 128  # Mixtral at 256 rows an expert (from 512: 256 rows)
+    assert default(2048, 8, 256, 256, 4096, 7168)[0] == 128
+    assert default(4096, 8, 256, 256, 4096, 7168, tiles=launcher.TOKEN_TILES + (256,)) == (128, WW, WW)
 
 
 def test_tuning_times_candidates_on_a_stand_in_routing_not_on_the_callers(tuner):
