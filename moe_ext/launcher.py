@@ -269,15 +269,16 @@ WIDE_WGMMA_TILE = 256
 WIDE_TILE_MIN_ROWS = 512
 # 144-row routing tiles run only the wgmma GEMMs (both; GEMM2 also with 256-row weight tiles, GEMM1 with 128-row
 # ones only): one m64n144 block, for experts that average a little under 128 rows, whose 128-row tiles leave about
-# half of them a second, mostly padding, tile (wgmma_mainloop.PADDED_TILE). Offered (tactics, workspaces) only under
-# OFFER_PADDED_WGMMA_TILE: off until tests/test_hopper_kernels.py has run on its kernels on an H200 (built in
-# session 37 without a device).
+# half of them a second, mostly padding, tile (wgmma_mainloop.PADDED_TILE). Offered (tactics, workspaces) under
+# OFFER_PADDED_WGMMA_TILE: on since session 38 ran tests/test_hopper_kernels.py (335 passed) on its build.
 PADDED_WGMMA_TILE = 144
-OFFER_PADDED_WGMMA_TILE = False
-# The default tactic takes the 144-row tile where the rows it multiplies are fewer than the 128-row tile's by this
-# factor (routing.expected_tile_fill): it gives up GEMM1's 256-row weight tiles, 1.04-1.14x at T = 4096. Modelled,
-# not measured: DeepSeek-V3 / EP8 / gpt-oss-120b T=4096 1.23 (taken); ~256 rows an expert (Qwen3-30B-A3B T=4096,
-# DeepSeek-V3 T=8192, Mixtral-8x7B T=1024) 1.10 (not).
+OFFER_PADDED_WGMMA_TILE = True
+# The default tactic takes the 144-row tile where GEMM2 keeps its 256-row weight tiles on it and its tiles multiply
+# fewer rows than 128-row ones by this factor (routing.expected_tile_fill; it gives up GEMM1's 256-row weight tiles).
+# Session 38, T=4096, whole forwards against the default (128, WGMMA_WIDE, WGMMA_WIDE): DeepSeek-V3 (fill 0.68 ->
+# 0.83) 1.04x and its EP8 shard 1.08x as (144, WGMMA, WGMMA_WIDE); gpt-oss-120b, whose GEMM2 rows (2944) take no
+# 256-row tiles, 0.99x as (144, WGMMA, WGMMA); at ~256 rows an expert (Qwen3-30B-A3B T=4096: fill 0.81 -> 0.88)
+# 0.96x; Mixtral-8x7B (1024 rows) 0.91-0.93x.
 PADDED_TILE_MIN_GAIN = 1.15
 # The "split" of a GEMM that selects its wgmma kernel with 256-row weight tiles (32- to 128-token routing tiles): two
 # weight halves share each gathered token stage, halving the token rows a CTA reads per MMA. The GEMM's weight rows
@@ -297,10 +298,10 @@ DECODE_SPLITS = 8  # decode_fused.MAX_SPLITS: GEMM1 partial tiles a weight tile 
 DECODE_CTAS_PER_SM = 2  # decode_fused.CONFIG.ctas_per_sm: the cooperative grid
 DECODE_GEMM2_MIN_STEPS = 4  # decode_fused.GEMM2_MIN_STEPS: 128-K steps of a GEMM2 K range at least
 # Whether FUSED_DECODE may take the form that splits GEMM2's K (decode_fused's split_gemm2) where
-# decode_splits_gemm2 says so. Off until tests/test_fused_decode.py has run on this build of it on an H200: session
-# 36 measured and tested its first build (K ranges decided in the one kernel) and lost the device before the
-# tests of this one, a separate kernel form, could run.
-DECODE_SPLIT_GEMM2 = False
+# decode_splits_gemm2 says so. On since session 38 (tests/test_fused_decode.py passed on its build; graph replays of
+# the heuristic's tactic: DeepSeek-V3 EP8 T=1 26.5-26.8 µs, gpt-oss-120b T=1 40.7-41.2, against 31.0 and 45.5 for
+# the unsplit kernel in session 36).
+DECODE_SPLIT_GEMM2 = True
 # Whether the untuned heuristic may pick FUSED_DECODE (default_tactic's `fused_decode`): on since session 35 ran
 # tests/test_fused_decode.py on the fixed build (h200_session35_checks.md).
 DEFAULT_FUSED_DECODE = True
@@ -439,9 +440,10 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     (NARROW_WGMMA_MIN_ROWS), the 32-token wgmma tiles, in the widest weight tiles allowed: at 12-24 rows 1.06-1.60x
     faster kernels than the streaming default, at 8 rows (gpt-oss T=256) 0.96x (h200_session25_checks.md; slower
     than streaming before the wgmma token K order, session 23).
-    Where the 144-row tile is offered (OFFER_PADDED_WGMMA_TILE) and its tiles would multiply PADDED_TILE_MIN_GAIN
-    fewer rows than 128-row ones (routing.expected_tile_fill: experts averaging a little under 128 rows), it takes
-    (144, WGMMA, WGMMA_WIDE where GEMM2's rows allow).
+    Where the 144-row tile is offered (OFFER_PADDED_WGMMA_TILE), GEMM2's rows take 256-row weight tiles and 144-row
+    tiles would multiply PADDED_TILE_MIN_GAIN fewer rows than 128-row ones (routing.expected_tile_fill: experts
+    averaging a little under 128 rows), it takes (144, WGMMA, WGMMA_WIDE): DeepSeek-V3 T=4096 1.04x, its EP8 shard
+    1.08x (h200_session38_checks.md).
     An 8-token tile whose GEMM1 would launch SIXTEEN_OVER_EIGHT_WAVES+ CTAs an SM takes 16 tokens instead.
     On a THREE_CTA_TILES tile (`three_ctas`), an unsplit GEMM whose expected CTAs fill three an SM takes THREE_CTAS:
     GEMM1 1.06-1.21x and GEMM2 1.27-1.80x there; at 256 CTAs it was 0.76-0.96x (h200_session17_checks.md).
@@ -469,10 +471,10 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     fitting = [t for t in narrow_wgmma if t in tiles and per_expert < t]
     if wgmma and fitting and per_expert >= NARROW_WGMMA_MIN_ROWS[min(fitting)]:
         return (min(fitting), *(WGMMA_WIDE if w else WGMMA for w in wide))
-    if wgmma and tile == WGMMA_TILE and PADDED_WGMMA_TILE in tiles and (
+    if wgmma and tile == WGMMA_TILE and PADDED_WGMMA_TILE in tiles and wide[1] and (
             expected_tile_fill(num_tokens, top_k, num_experts, PADDED_WGMMA_TILE)
             >= PADDED_TILE_MIN_GAIN * expected_tile_fill(num_tokens, top_k, num_experts, WGMMA_TILE)):
-        return (PADDED_WGMMA_TILE, WGMMA, WGMMA_WIDE if wide[1] else WGMMA)
+        return (PADDED_WGMMA_TILE, WGMMA, WGMMA_WIDE)
     # Live tiles: the expected experts hit with 50% margin (a split that overshoots one wave costs more than one
     # that undershoots gains), never more than the slots that can be local.
     hit = expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts)

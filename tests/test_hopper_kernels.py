@@ -27,13 +27,6 @@ W, WW = launcher.WGMMA, launcher.WGMMA_WIDE  # the wgmma GEMMs' k_splits
 PADDED = launcher.PADDED_WGMMA_TILE
 
 
-@pytest.fixture(autouse=True)
-def padded_wgmma_tile(monkeypatch):
-    """These tests offer the 144-row wgmma tile (launcher.OFFER_PADDED_WGMMA_TILE, off by default until they have
-    passed on it on an H200), so every reference check below runs it too."""
-    monkeypatch.setattr(launcher, "OFFER_PADDED_WGMMA_TILE", True)
-
-
 def check_against_reference(case, fused, every_tile=True, **over):
     kw = case.kwargs(use_fused_finalize=fused, **over)
     problem = build_problem(**kw)
