@@ -369,19 +369,27 @@ def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):
 
 @pytest.mark.parametrize("form", ["", "_split2"], ids=["gemm2_unsplit", "gemm2_split"])
 def test_fused_decode_kernels_fit_the_instruction_cache_and_do_not_spill(built_kernels, kernel_sass, form):
-    """The one-launch forward (decode_fused.py) runs both GEMMs through one mainloop and stages tokens in a loop:
+    """The one-launch forward (decode_fused.py) runs both GEMMs through one mainloop and stages GEMM2's tokens in a
+    loop:
     its first build, with two unrolled copies of everything, was 13,184 instructions and 41% of its stall samples
     waited for instruction fetch (ncu, Qwen3-30B-A3B T=1). It must stay small and in registers. The form that
     splits GEMM2's K carries a few more values at the 128-register cap (its scalars already go through shared
-    memory): SwiGLU keeps 4 local-memory ops and GeGLU 6, stores before the phase loop, a reload at its head and
-    one 64-bit reload an item, none in the mainloop; more would be a regression."""
+    memory): SwiGLU keeps 6 local-memory ops and GeGLU 8 (since x's staging issues all of a thread's loads at once,
+    one more 64-bit value is kept over the phase loop), stores before the phase loop, a reload at its head and two
+    64-bit reloads an item, none in the mainloop; more would be a regression."""
     for kind in ("swiglu", "situ", "geglu_tanh", "relu2"):
         listing = kernel_sass.sass(str(built_kernels / f"moe_decode_w4a16_{kind}{form}.o"))
         counts = kernel_sass.opcode_counts(listing)
-        assert counts["LDL"] + counts["STL"] <= (6 if form else 0), (kind, counts["LDL"] + counts["STL"])
+        assert counts["LDL"] + counts["STL"] <= (8 if form else 0), (kind, counts["LDL"] + counts["STL"])
         assert sum(counts.values()) < 6000, (kind, sum(counts.values()))
         # the grid barrier's atomic and its gpu-scope fences; the split form's arrival counts
         assert counts["ATOM"] >= (2 if form else 1) and counts["CCTL"] >= 1, kind
+        # x's staging issues a thread's 16-byte loads before its first store into the token tile: task by task
+        # each load waited for the previous store (the row map and the tile are both shared memory), 3.5 us at T=1
+        lines = listing.splitlines()
+        first_x = next(i for i, line in enumerate(lines) if "LDG.E.128.CONSTANT" in line)
+        first_store = next(i for i in range(first_x, len(lines)) if "STS" in lines[i])
+        assert sum("LDG.E.128.CONSTANT" in line for line in lines[first_x:first_store]) >= 4, kind
 
 
 def test_fused_decode_timeline_build_marks_its_points_outside_the_mainloop(tmp_path, kernel_sass):

@@ -42,8 +42,9 @@ MAX_SPLITS = 8  # K ranges of a weight tile: the partials workspace holds this m
 # GEMM2 K steps a range at least: Qwen3-30B-A3B T=1's 2 ranges of 3 steps were 1.07x slower than one
 # (h200_session36_checks.md)
 GEMM2_MIN_STEPS = 4
-# Two CTAs an SM (128 registers: the three-CTA form's 80 spill here), 2048-K token chunks, the staging not unrolled.
-CONFIG = replace(streaming.config_for(TOKENS, 1), token_elems=TOKENS * 2048, unroll_staging=False)
+# Two CTAs an SM (128 registers: the three-CTA form's 80 spill here), 2048-K token chunks; x staged with all of a
+# thread's loads in flight, the FC2 input in a loop (stream.TokenLoads).
+CONFIG = replace(streaming.config_for(TOKENS, 1), token_elems=TOKENS * 2048)
 BLOCK = 16  # NVFP4 weight scales
 # The timeline build (make_kernel's `timeline`): thread 0 of each CTA writes TIMELINE_WORDS u32 words at
 # TIMELINE[...] past the barrier buffer's words (launcher.decode_barrier_words), CTA after CTA; the caller allocates
@@ -242,37 +243,38 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                 limit = plan.tile_limit[t]
                 alpha = w1_alpha[expert]
 
-                def load_group(r, kk, k_end):
-                    """8 values at K = kk of row row0 + r: x of its token (GEMM1), or gemm1.py's epilogue (alpha,
-                    the activation, bf16) on the summed partials (GEMM2: the FC2 input)."""
+                def load_x(r, kk, k_end):
+                    """GEMM1's 8 values at K = kk of row row0 + r: x of its token."""
+                    valid = (row0 + r < limit) & (kk < k_end)
+                    token = ptx.divide_by_magic(plan.row_pair[cute.math.min(row0 + r, limit - 1)], by_top_k)
+                    v = ptx.ld_global_v4(x_address + (Int64(token) * Int64(hidden) + Int64(
+                        cute.math.min(kk, hidden - 8))) * 2)
+                    return streaming.bf16x8_to_tile([v[i] for i in range(4)]), valid
+
+                def load_fc2_input(r, kk, k_end):
+                    """GEMM2's 8 values at K = kk of row row0 + r: gemm1.py's epilogue (alpha, the activation,
+                    bf16) on the summed partials."""
                     valid = (row0 + r < limit) & (kk < k_end)
                     row = cute.math.min(row0 + r, limit - 1)
                     words = cute.make_rmem_tensor((4,), Int32)
                     words.fill(0)
-                    if gemm2:
-                        if valid:  # the K ranges' partials summed in rank order (the cluster split-K's order)
-                            col = (kk // 64) * cfg.rows + kk % 64 if gated else kk  # up; gate 64 columns on
-                            acc = cute.make_rmem_tensor((16,), Float32)
-                            acc.fill(0.0)
-                            for rank_in in cutlass.range(s1):  # GEMM1's ranges
-                                base = partial0 + (Int64(rank_in * pairs + row) * Int64(n1) + Int64(col)) * 4
-                                for half in cutlass.range_constexpr(2 if gated else 1):
-                                    for q in cutlass.range_constexpr(2):
-                                        v = ptx.ld_global_cg_v4(base + half * (cfg.rows // 2) * 4 + q * 16)
-                                        for i in cutlass.range_constexpr(4):
-                                            acc[half * 8 + q * 4 + i] = acc[half * 8 + q * 4 + i] + v[i].bitcast(
-                                                Float32)
-                            values = [activations.apply(kind, acc[i] * alpha if gated else None,
-                                                        acc[8 * gated + i] * alpha, (p0, p1, p2, p3))
-                                      for i in range(8)]
-                            for i in cutlass.range_constexpr(4):
-                                words[i] = ptx.pack_bf16x2(values[2 * i], values[2 * i + 1])
-                    else:
-                        token = ptx.divide_by_magic(plan.row_pair[row], by_top_k)
-                        k = cute.math.min(kk, hidden - 8)
-                        v = ptx.ld_global_v4(x_address + (Int64(token) * Int64(hidden) + Int64(k)) * 2)
+                    if valid:  # the K ranges' partials summed in rank order (the cluster split-K's order)
+                        col = (kk // 64) * cfg.rows + kk % 64 if gated else kk  # up; gate 64 columns on
+                        acc = cute.make_rmem_tensor((16,), Float32)
+                        acc.fill(0.0)
+                        for rank_in in cutlass.range(s1):  # GEMM1's ranges
+                            base = partial0 + (Int64(rank_in * pairs + row) * Int64(n1) + Int64(col)) * 4
+                            for half in cutlass.range_constexpr(2 if gated else 1):
+                                for q in cutlass.range_constexpr(2):
+                                    v = ptx.ld_global_cg_v4(base + half * (cfg.rows // 2) * 4 + q * 16)
+                                    for i in cutlass.range_constexpr(4):
+                                        acc[half * 8 + q * 4 + i] = acc[half * 8 + q * 4 + i] + v[i].bitcast(
+                                            Float32)
+                        values = [activations.apply(kind, acc[i] * alpha if gated else None,
+                                                    acc[8 * gated + i] * alpha, (p0, p1, p2, p3))
+                                  for i in range(8)]
                         for i in cutlass.range_constexpr(4):
-                            words[i] = v[i]
+                            words[i] = ptx.pack_bf16x2(values[2 * i], values[2 * i + 1])
                     return streaming.bf16x8_to_tile([words[i] for i in range(4)]), valid
 
                 def trace(thread, event):
@@ -286,7 +288,8 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                 if item == cta:
                     mark(timeline, tid, timeline0, phase_words)
                 streaming.accumulate(sm, tid, w_sf, w_map, expert, n_tile * cfg.rows, rows_per_expert, k_extent,
-                                     rank, ranges, limit - row0, TOKENS, cfg, BLOCK, load_group, cluster_reduce=False,
+                                     rank, ranges, limit - row0, TOKENS, cfg, BLOCK,
+                                     streaming.TokenLoads(load_x, load_fc2_input, phase == 0), cluster_reduce=False,
                                      trace=trace if cutlass.const_expr(timeline) else None)
                 if item == cta:
                     mark(timeline, tid, timeline0, phase_words + 3)

@@ -71,9 +71,6 @@ class StreamConfig:
     # `live` tokens (mainloop_widths): a CTA runs the narrowest that holds its live rows, so experts with few rows
     # pay for fewer padding columns.
     narrow: bool = True
-    # The token staging's tasks unrolled (each task's loads in flight together), or one loop body: decode_fused.py's
-    # stagings (an activation a value) would otherwise take more code than the instruction cache holds.
-    unroll_staging: bool = True
 
     @property
     def rows(self) -> int:
@@ -427,6 +424,18 @@ def k_range(steps, rank, k_split):
     return first, cute.math.min(per_rank, steps - first)
 
 
+class TokenLoads(NamedTuple):
+    """A load_group of two forms, chosen at run time: `unrolled` (a short gather, staged with all of a thread's
+    loads issued before its first store, so they are in flight together) where `unrolled_when` holds, else `looped`
+    (a load too long to copy once a task, staged in a loop). decode_fused.py's one loop over both GEMMs stages x
+    (one 16-byte load a task) and the FC2 input (the K ranges' partials summed and activated) through the same
+    mainloop."""
+
+    unrolled: object
+    looped: object
+    unrolled_when: object  # a run-time Boolean
+
+
 def chunk_tasks(tokens: int, c: StreamConfig, live: int) -> int:
     """8-value chunks each thread stages per K-chunk of the first `live` token rows."""
     return live * k_chunk(tokens, c) // 8 // c.threads
@@ -441,7 +450,7 @@ def accumulate(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_exten
     (scales `w_sf`; `w_map` from weight_map): leaves its accumulator
     tile (summed over K slices, and on cluster rank 0 over the cluster's ranks) in sm.out. `load_group(r, k,
     k_end)` returns the 8 tile-order bf16x2 registers of token row r at K = k and whether they are valid (the
-    kernel's gather and decode of its activations).
+    kernel's gather and decode of its activations); a TokenLoads picks one of two such loads at run time.
 
     The k_split CTAs of a cluster take contiguous runs of K steps; inside a CTA, K slice `part` takes every
     k_slices-th step of the run: its j-th step is first + j * k_slices + part. `live_rows`: the tile's token rows
@@ -518,15 +527,30 @@ def stage_tokens(sm, tid, first, k_run, k_end, tokens: cutlass.Constexpr, cfg: c
     if cutlass.const_expr(cfg.mma == "wgmma_async"):
         ptx.wgmma_wait(0)  # the last steps' wgmmas still read the tile this staging overwrites
     cute.arch.sync_threads()
-    if cutlass.const_expr(cfg.unroll_staging):
-        for m in cutlass.range_constexpr(chunk_tasks(tokens, cfg, live)):
-            stage_task(sm, tid, m, first, k_run, k_end, tokens, cfg, load_group)
+    if cutlass.const_expr(isinstance(load_group, TokenLoads)):
+        if load_group.unrolled_when:
+            stage_loads_first(sm, tid, first, k_run, k_end, tokens, cfg, load_group.unrolled, live)
+        else:
+            for m in cutlass.range(chunk_tasks(tokens, cfg, live), unroll=1):
+                stage_task(sm, tid, m, first, k_run, k_end, tokens, cfg, load_group.looped)
     else:
-        for m in cutlass.range(chunk_tasks(tokens, cfg, live)):
+        for m in cutlass.range_constexpr(chunk_tasks(tokens, cfg, live)):
             stage_task(sm, tid, m, first, k_run, k_end, tokens, cfg, load_group)
     if cutlass.const_expr(cfg.mma != "sync"):
         ptx.fence_proxy_async_shared()  # the tile is read by wgmma (async proxy)
     cute.arch.sync_threads()
+
+
+def stage_loads_first(sm, tid, first, k_run, k_end, tokens: int, cfg: StreamConfig, load_group, live: int) -> None:
+    """A K-chunk's tasks with every load before any store: a task's row map read (shared memory) may not pass the
+    previous task's store to the tile (shared too), so staged task by task they chain one global load latency each
+    (3.5 us for decode_fused's 8 at T=1)."""
+    loaded = []
+    for m in range(chunk_tasks(tokens, cfg, live)):
+        r, c = task_position(tid, m, cfg.threads, k_chunk(tokens, cfg) // 8)
+        loaded.append((r, c, *load_group(r, first * cfg.k_step + k_run + c * 8, k_end)))
+    for r, c, values, valid in loaded:
+        store_chunk(sm, r, c, values, valid, tokens, cfg)
 
 
 def stage_task(sm, tid, m, first, k_run, k_end, tokens: int, cfg: StreamConfig, load_group) -> None:
