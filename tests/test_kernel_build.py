@@ -370,8 +370,7 @@ def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):
 @pytest.mark.parametrize("form", ["", "_split2"], ids=["gemm2_unsplit", "gemm2_split"])
 def test_fused_decode_kernels_fit_the_instruction_cache_and_do_not_spill(built_kernels, kernel_sass, form):
     """The one-launch forward (decode_fused.py) runs both GEMMs through one mainloop and stages GEMM2's tokens in a
-    loop:
-    its first build, with two unrolled copies of everything, was 13,184 instructions and 41% of its stall samples
+    loop: its first build, with two unrolled copies of everything, was 13,184 instructions and 41% of its stall samples
     waited for instruction fetch (ncu, Qwen3-30B-A3B T=1). It must stay small and in registers. The form that
     splits GEMM2's K carries a few more values at the 128-register cap (its scalars already go through shared
     memory): SwiGLU keeps 6 local-memory ops and GeGLU 8 (since x's staging issues all of a thread's loads at once,

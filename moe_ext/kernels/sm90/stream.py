@@ -545,19 +545,21 @@ def stage_loads_first(sm, tid, first, k_run, k_end, tokens: int, cfg: StreamConf
     """A K-chunk's tasks with every load before any store: a task's row map read (shared memory) may not pass the
     previous task's store to the tile (shared too), so staged task by task they chain one global load latency each
     (3.5 us for decode_fused's 8 at T=1)."""
-    loaded = []
-    for m in range(chunk_tasks(tokens, cfg, live)):
-        r, c = task_position(tid, m, cfg.threads, k_chunk(tokens, cfg) // 8)
-        loaded.append((r, c, *load_group(r, first * cfg.k_step + k_run + c * 8, k_end)))
+    loaded = [load_task(tid, m, first, k_run, k_end, tokens, cfg, load_group)
+              for m in range(chunk_tasks(tokens, cfg, live))]
     for r, c, values, valid in loaded:
         store_chunk(sm, r, c, values, valid, tokens, cfg)
 
 
+def load_task(tid, m, first, k_run, k_end, tokens: int, cfg: StreamConfig, load_group) -> tuple:
+    """Task m of a K-chunk's staging, loaded: its row and 8-value chunk, the values and whether they are valid."""
+    r, c = task_position(tid, m, cfg.threads, k_chunk(tokens, cfg) // 8)
+    return (r, c, *load_group(r, first * cfg.k_step + k_run + c * 8, k_end))
+
+
 def stage_task(sm, tid, m, first, k_run, k_end, tokens: int, cfg: StreamConfig, load_group) -> None:
     """Task m of a K-chunk's staging: one 8-value chunk of one token row."""
-    r, c = task_position(tid, m, cfg.threads, k_chunk(tokens, cfg) // 8)
-    values, valid = load_group(r, first * cfg.k_step + k_run + c * 8, k_end)
-    store_chunk(sm, r, c, values, valid, tokens, cfg)
+    store_chunk(sm, *load_task(tid, m, first, k_run, k_end, tokens, cfg, load_group), tokens, cfg)
 
 
 class TmaSource(NamedTuple):
