@@ -10,7 +10,7 @@ times of the variants (wrong outputs, right schedule) split a forward into its p
         AB_SHAPES=qwen3-30b-a3b,deepseek-v3-ep8,deepseek-v3 AB_TOKENS=1,8 AB_ENERGY_SECONDS=0 \\
         OUT=$OUT bash scripts/gpu_check.sh ab_bench
 
-The timeline variant is the full kernel, both forms (unsplit and split_gemm2), writing each CTA's timeline
+The timeline variant is the full kernel, every form (split_gemm2, fc2_by_gemm1), writing each CTA's timeline
 (decode_fused.TIMELINE) past the barrier words; benchmarks/decode_timeline.py runs it and reads them:
 
     python3 benchmarks/decode_phase_variants.py .kernels_phase --variants timeline
@@ -26,7 +26,8 @@ VARIANTS = {
     "no_gemm2": [dict(gemms=(True, False))],
     "no_gemm1": [dict(gemms=(False, True))],
     "neither": [dict(gemms=(False, False))],
-    "timeline": [dict(timeline=True), dict(timeline=True, split_gemm2=True)],
+    "timeline": [dict(timeline=True, split_gemm2=split, fc2_by_gemm1=fc2) for split in (False, True)
+                 for fc2 in (False, True)],
 }
 PHASES = "full,no_gemm2,no_gemm1,neither"
 
@@ -49,7 +50,7 @@ def main():
         os.makedirs(folder, exist_ok=True)
         for kind in args.kinds.split(","):
             for form in VARIANTS[variant]:
-                name = launcher.decode_kernel(kind, form.get("split_gemm2", False))
+                name = launcher.decode_kernel(kind, form.get("split_gemm2", False), form.get("fc2_by_gemm1", False))
                 start = time.perf_counter()
                 compiled = decode_fused.compile_decode(kind, f"--gpu-arch {build.ARCH}", **form)
                 compiled.export_to_c(file_path=folder, file_name=name, function_prefix=name)

@@ -22,7 +22,8 @@ import sys
 
 TIMELINE_WORDS = 32  # decode_fused.TIMELINE_WORDS (not imported: the GPU machine may lack CuTe-DSL)
 SLOTS = dict(start_ns_lo=0, start_ns_hi=1, sm=2, start=3, waited=4, routed=5, zeroed=6, barrier_passed=7,
-             end=24, end_ns_lo=25, end_ns_hi=26)  # decode_fused.TIMELINE
+             end=24, end_ns_lo=25, end_ns_hi=26, gemm1_issued=27, gemm1_loaded=28, gemm2_issued=29,
+             gemm2_loaded=30)  # decode_fused.TIMELINE
 # decode_fused.TIMELINE_PHASE: clock marks, then two counts
 PHASE_WORDS = ("item", "staged", "landed", "first_done", "last_done", "end", "items", "steps")
 PHASE_MARKS = PHASE_WORDS[:-2]
@@ -49,6 +50,8 @@ def decode_cta(words: list, clock_mhz: float) -> dict:
         cta[f"{phase}_steps"] = words[base + PHASE_WORDS.index("steps")]
         for i, name in enumerate(PHASE_MARKS):
             cta[f"{phase}_{name}"] = since_start(base + i) if items else None
+        for name in ("issued", "loaded"):  # 0 where the build does not write them
+            cta[f"{phase}_{name}"] = since_start(SLOTS[f"{phase}_{name}"]) if items else None
     return cta
 
 
@@ -64,8 +67,8 @@ def forward_summary(ctas: list) -> dict:
         at = sorted(c["start_ns"] - first + c[mark] for c in ctas if c[mark] is not None)
         if at:
             out[f"at_{mark}"] = dict(median=statistics.median(at), last=at[-1], ctas=len(at))
-    pieces = dict(staging=("item", "staged"), landed=("item", "landed"), mainloop=("item", "first_done"),
-                  epilogue=("last_done", "end"))
+    pieces = dict(issue=("item", "issued"), loads=("item", "loaded"), staging=("item", "staged"),
+                  landed=("item", "landed"), mainloop=("item", "first_done"), epilogue=("last_done", "end"))
     for phase in PHASES:
         for piece, (a, b) in pieces.items():
             spans = sorted(c[f"{phase}_{b}"] - c[f"{phase}_{a}"] for c in ctas
@@ -146,7 +149,7 @@ def run_point(shape, num_tokens: int, reps: int, min_local_pairs: int, tactic: t
                                         **shape.wrapper_kwargs())
     pairs = num_tokens * shape.top_k
     ctas = launcher.DECODE_CTAS_PER_SM * launcher.num_sms(device)
-    first = launcher.decode_barrier_words(pairs, hidden)
+    first = launcher.decode_barrier_words(pairs, point.n1, hidden)
     buffers = wrapper.workspace.kernel_buffers
     buffers.grid_barrier = torch.zeros(first + ctas * TIMELINE_WORDS, dtype=torch.int32, device=device)
     flush = torch.empty(2 * l2_bytes(device), dtype=torch.uint8, device=device)

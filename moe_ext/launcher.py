@@ -302,6 +302,15 @@ DECODE_GEMM2_MIN_STEPS = 4  # decode_fused.GEMM2_MIN_STEPS: 128-K steps of a GEM
 # the heuristic's tactic: DeepSeek-V3 EP8 T=1 26.5-26.8 µs, gpt-oss-120b T=1 40.7-41.2, against 31.0 and 45.5 for
 # the unsplit kernel in session 36).
 DECODE_SPLIT_GEMM2 = True
+# Whether FUSED_DECODE may take the forms whose GEMM1 epilogues build the bf16 FC2 input and whose token stagings
+# issue their loads ahead of the weight copies (decode_fused's fc2_by_gemm1), where decode_fc2_by_gemm1 says so.
+# Session 39 (H100, graph replays, two rounds, against the forms that build the FC2 input in GEMM2's staging): 1-3 µs
+# faster at Qwen3-30B-A3B T = 2 / 4, DeepSeek-V3 EP8 T = 2 / 4 / 8 and gpt-oss-120b T = 1 / 2, 2.4 µs slower at
+# Qwen3 T=1 and 0.35 slower at EP8 T=1, where GEMM1's items are short K ranges that each pay the ranges' meeting.
+DECODE_FC2_BY_GEMM1 = True
+# 128-K steps of GEMM1's expected K ranges up to which FUSED_DECODE keeps the other forms where the ranges split
+# (decode_fc2_by_gemm1): the two measured losses above had 8 and 7, the wins 14 and more or no split.
+DECODE_FC2_MIN_RANGE_STEPS = 9
 # Whether the untuned heuristic may pick FUSED_DECODE (default_tactic's `fused_decode`): on since session 35 ran
 # tests/test_fused_decode.py on the fixed build (h200_session35_checks.md).
 DEFAULT_FUSED_DECODE = True
@@ -540,7 +549,7 @@ class KernelBuffers:
             slot_output=tokens * top_k * hidden,
             decode_partials=decode_partial_floats(min(tokens * top_k, DECODE_MAX_PAIRS), 2 * inter, hidden)
             if quant_mode == "w4a16" else 0,
-            grid_barrier=decode_barrier_words(min(tokens * top_k, DECODE_MAX_PAIRS), hidden),
+            grid_barrier=decode_barrier_words(min(tokens * top_k, DECODE_MAX_PAIRS), 2 * inter, hidden),
         )
 
     @classmethod
@@ -566,20 +575,22 @@ def _dummies(device: torch.device) -> dict:
             for dtype in (torch.bfloat16, torch.uint8, torch.float32)}
 
 
-def decode_kernel(kind: str, split_gemm2: bool = False) -> str:
-    return f"moe_decode_w4a16_{kind}" + ("_split2" if split_gemm2 else "")
+def decode_kernel(kind: str, split_gemm2: bool = False, fc2_by_gemm1: bool = False) -> str:
+    return f"moe_decode_w4a16_{kind}" + ("_split2" if split_gemm2 else "") + ("_fc2" if fc2_by_gemm1 else "")
 
 
 def decode_partial_floats(pairs: int, n1: int, hidden: int) -> int:
     """FUSED_DECODE's fp32 workspace for `pairs` rows: GEMM1's DECODE_SPLITS K ranges of n1 columns, then GEMM2's
-    of `hidden` (decode_fused.gemm2_partial)."""
-    return DECODE_SPLITS * pairs * (n1 + hidden)
+    of `hidden` (decode_fused.gemm2_partial), then the bf16 FC2 input (decode_fused.fc2_input_address; n1 // 2
+    floats a row hold the inter bf16 values of gated and ungated activations alike)."""
+    return DECODE_SPLITS * pairs * (n1 + hidden) + pairs * n1 // 2
 
 
-def decode_barrier_words(pairs: int, hidden: int) -> int:
-    """FUSED_DECODE's u32 words: the grid barrier's (4), then an arrival count a GEMM2 item (row tile, 128 hidden
-    rows) of the split form; at most `pairs` row tiles."""
-    return 4 + pairs * -(-hidden // 128)
+def decode_barrier_words(pairs: int, n1: int, hidden: int) -> int:
+    """FUSED_DECODE's u32 words: the grid barrier's (4), then an arrival count a GEMM1 item (row tile, 128 weight
+    rows) or, past the grid barrier, a GEMM2 item (row tile, 128 hidden rows) of the split form; at most `pairs`
+    row tiles."""
+    return 4 + pairs * -(-max(n1, hidden) // 128)
 
 
 def decode_splits_gemm2(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, hidden: int,
@@ -623,11 +634,31 @@ def _decode_split_form_taken(kind: str) -> bool:
     return DECODE_SPLIT_GEMM2 and has_kernel(decode_kernel(kind, True))
 
 
+def decode_gemm1_ranges(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, hidden: int,
+                       n1: int, ctas: int) -> int:
+    """The K ranges decode_fused.splits gives each GEMM1 weight tile, with one routing tile an expected expert hit."""
+    tiles = math.ceil(max(1.0, expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts)) - 1e-9)
+    ranges = max(1, ctas // (tiles * (n1 // 128)))
+    return max(1, min(ranges, DECODE_SPLITS, hidden // 128 // 2))
+
+
+def decode_fc2_by_gemm1(problem) -> bool:
+    """Whether FUSED_DECODE takes an fc2_by_gemm1 form (DECODE_FC2_BY_GEMM1): everywhere but where GEMM1's weight
+    tiles split into K ranges of fewer than DECODE_FC2_MIN_RANGE_STEPS steps, whose meeting in the epilogue (an
+    arrival and a sum, ~1.7 µs) outweighs what GEMM2's staging saves."""
+    ranges = decode_gemm1_ranges(problem.num_tokens, problem.top_k, problem.num_experts, problem.num_local_experts,
+                                 problem.hidden_size, problem.n1, DECODE_CTAS_PER_SM * num_sms(problem.device))
+    return DECODE_FC2_BY_GEMM1 and (ranges == 1 or problem.hidden_size // 128 // ranges >= DECODE_FC2_MIN_RANGE_STEPS)
+
+
 def decode_kernel_for(problem) -> str:
     """The FUSED_DECODE kernel form `problem` launches: the one that splits GEMM2's K where DECODE_SPLIT_GEMM2 allows
-    it, decode_splits_gemm2 expects it to pay and it is linked, else the unsplit one."""
+    it, decode_splits_gemm2 expects it to pay and it is linked, else the unsplit one; in its fc2_by_gemm1 form
+    where decode_fc2_by_gemm1 says so and that is linked."""
     kind = problem.activation.kind
-    return decode_kernel(kind, _decode_split_form_taken(kind) and _decode_gemm2_wants_split(problem))
+    split = _decode_split_form_taken(kind) and _decode_gemm2_wants_split(problem)
+    fc2 = decode_fc2_by_gemm1(problem) and has_kernel(decode_kernel(kind, split, True))
+    return decode_kernel(kind, split, fc2)
 
 
 def decode_gemm2_idle(problem) -> bool:
@@ -650,7 +681,7 @@ def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pd
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
     w = problem.weights
     partials = decode_partial_floats(T * K, n1, H)
-    arrivals = decode_barrier_words(T * K, H)
+    arrivals = decode_barrier_words(T * K, n1, H)
     launch(decode_kernel_for(problem), [
         _check("x", problem.x, bf16, device, T * H, 16),
         _check("token_selected_experts", problem.token_selected_experts, i32, device, T * K),

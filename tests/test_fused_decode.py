@@ -21,6 +21,15 @@ pytestmark = [pytest.mark.gpu, gpu, hopper_kernels]
 FUSED = (launcher.DECODE_TILE, launcher.FUSED_DECODE, launcher.FUSED_DECODE)
 
 
+@pytest.fixture(autouse=True, params=["fc2_by_gemm2", "fc2_by_gemm1"])
+def fc2_form(request, monkeypatch):
+    """Every test on both ways the kernel builds GEMM2's input (decode_fused's fc2_by_gemm1: GEMM2's staging sums
+    GEMM1's K ranges, or GEMM1's last range does), whichever the launcher's rule picks for the case."""
+    by_gemm1 = request.param == "fc2_by_gemm1"
+    monkeypatch.setattr(launcher, "decode_fc2_by_gemm1", lambda problem: by_gemm1)
+    return by_gemm1
+
+
 def check(case, tactic=FUSED):
     kw = case.kwargs(use_fused_finalize=True)
     problem = build_problem(**kw)
@@ -99,7 +108,7 @@ def split_gemm2(monkeypatch):
 
 def splits_gemm2(case) -> bool:
     """Whether the launcher runs `case` on the kernel form that splits GEMM2's K."""
-    return launcher.decode_kernel_for(build_problem(**case.kwargs(use_fused_finalize=True))).endswith("_split2")
+    return "_split2" in launcher.decode_kernel_for(build_problem(**case.kwargs(use_fused_finalize=True)))
 
 
 @pytest.mark.parametrize("act", ACTS)

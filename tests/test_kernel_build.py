@@ -40,7 +40,7 @@ def test_every_shipped_kernel_compiles_for_sm90a(built_kernels):
     assert names == ["moe_routing", *gemms, "moe_routing_decode_nvfp4", "moe_routing_decode_mxfp8",
                      "moe_routing_decode_bf16", "moe_fc2_quant_per_token", "moe_finalize",
                      *(f"moe_decode_w4a16_{kind}{form}" for kind in ("swiglu", "situ", "geglu_tanh", "relu2")
-                       for form in ("", "_split2"))]
+                       for form in ("", "_fc2", "_split2", "_split2_fc2"))]
     table = (tmp_path / "kernel_table.inc").read_text()
     assert all(f'{{"{name}",' in table for name in names)
     for name in names:
@@ -367,28 +367,30 @@ def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):
         assert counts["LDL"] + counts["STL"] == 0, name
 
 
-@pytest.mark.parametrize("form", ["", "_split2"], ids=["gemm2_unsplit", "gemm2_split"])
+@pytest.mark.parametrize("form", ["", "_split2", "_fc2", "_split2_fc2"])
 def test_fused_decode_kernels_fit_the_instruction_cache_and_do_not_spill(built_kernels, kernel_sass, form):
-    """The one-launch forward (decode_fused.py) runs both GEMMs through one mainloop and stages GEMM2's tokens in a
-    loop: its first build, with two unrolled copies of everything, was 13,184 instructions and 41% of its stall samples
-    waited for instruction fetch (ncu, Qwen3-30B-A3B T=1). It must stay small and in registers. The form that
-    splits GEMM2's K carries a few more values at the 128-register cap (its scalars already go through shared
-    memory): SwiGLU keeps 6 local-memory ops and GeGLU 8 (since x's staging issues all of a thread's loads at once,
-    one more 64-bit value is kept over the phase loop), stores before the phase loop, a reload at its head and two
-    64-bit reloads an item, none in the mainloop; more would be a regression."""
+    """The one-launch forward (decode_fused.py) runs both GEMMs through one mainloop: its first build, with two
+    unrolled copies of everything, was 13,184 instructions and 41% of its stall samples waited for instruction
+    fetch (ncu, Qwen3-30B-A3B T=1). It must stay small and in registers: no local memory, but in the forms whose
+    GEMM2 staging sums GEMM1's ranges and splits K (a few values over the phase loop at the 128-register cap, none
+    in the mainloop). Every form issues a thread's token loads before its first store into the token tile (task by
+    task each load waited for the previous store, 3.5 us at T=1), and the fc2_by_gemm1 forms issue the first
+    chunk's before the weight copies."""
     for kind in ("swiglu", "situ", "geglu_tanh", "relu2"):
         listing = kernel_sass.sass(str(built_kernels / f"moe_decode_w4a16_{kind}{form}.o"))
         counts = kernel_sass.opcode_counts(listing)
-        assert counts["LDL"] + counts["STL"] <= (8 if form else 0), (kind, counts["LDL"] + counts["STL"])
+        spills = 8 if form == "_split2" else 0
+        assert counts["LDL"] + counts["STL"] <= spills, (kind, counts["LDL"] + counts["STL"])
         assert sum(counts.values()) < 6000, (kind, sum(counts.values()))
-        # the grid barrier's atomic and its gpu-scope fences; the split form's arrival counts
-        assert counts["ATOM"] >= (2 if form else 1) and counts["CCTL"] >= 1, kind
-        # x's staging issues a thread's 16-byte loads before its first store into the token tile: task by task
-        # each load waited for the previous store (the row map and the tile are both shared memory), 3.5 us at T=1
+        # the grid barrier's atomic and its gpu-scope fences; the K ranges' arrival counts
+        assert counts["ATOM"] >= (2 if "split2" in form or "fc2" in form else 1) and counts["CCTL"] >= 1, kind
         lines = listing.splitlines()
-        first_x = next(i for i, line in enumerate(lines) if "LDG.E.128.CONSTANT" in line)
-        first_store = next(i for i in range(first_x, len(lines)) if "STS" in lines[i])
-        assert sum("LDG.E.128.CONSTANT" in line for line in lines[first_x:first_store]) >= 4, kind
+        first_load = next(i for i, line in enumerate(lines) if "LDG.E.128" in line)
+        first_store = next(i for i in range(first_load, len(lines)) if "STS" in lines[i])
+        assert sum("LDG.E.128" in line for line in lines[first_load:first_store]) >= 4, kind
+        if "fc2" in form:
+            first_copy = next(i for i, line in enumerate(lines) if "UTMALDG" in line)
+            assert sum("LDG.E.128" in line for line in lines[:first_copy]) >= 4, kind
 
 
 def test_fused_decode_timeline_build_marks_its_points_outside_the_mainloop(tmp_path, kernel_sass):

@@ -470,22 +470,25 @@ def test_hopper_default_tactic_takes_the_fused_decode_up_to_three_gemm1_tiles_an
     assert default(72, 1, 4096, 4096, 128, 128) != fused  # ... 72 do not
 
 
+def decode_problem(T, k, E, E_local, H, I):
+    """The fields of a SwiGLU MoEProblem that the launcher's FUSED_DECODE rules read."""
+    import types
+
+    return types.SimpleNamespace(num_tokens=T, top_k=k, num_experts=E, num_local_experts=E_local, hidden_size=H,
+                                 intermediate_size=I, n1=2 * I, device=None,
+                                 activation=types.SimpleNamespace(kind="swiglu"))
+
+
 def test_fused_decode_form_and_idle_gemm2_follow_the_split_switch(monkeypatch):
     """decode_kernel_for takes the split_gemm2 form where decode_splits_gemm2 wants it, DECODE_SPLIT_GEMM2 is on and
     the form is linked; decode_gemm2_idle is the rest of the cases where it wants it (GEMM2 would run unsplit)."""
-    import types
-
     from moe_ext import launcher
 
     monkeypatch.setattr(launcher, "num_sms", lambda device: 132)
+    monkeypatch.setattr(launcher, "DECODE_FC2_BY_GEMM1", False)
     linked = {True}
-    monkeypatch.setattr(launcher, "has_kernel", lambda name: not name.endswith("_split2") or True in linked)
-
-    def problem(T, k, E, E_local, H, I):
-        return types.SimpleNamespace(num_tokens=T, top_k=k, num_experts=E, num_local_experts=E_local, hidden_size=H,
-                                     intermediate_size=I, device=None, activation=types.SimpleNamespace(kind="swiglu"))
-
-    gpt_oss, qwen3 = problem(1, 4, 128, 128, 2944, 2880), problem(1, 8, 128, 128, 2048, 768)
+    monkeypatch.setattr(launcher, "has_kernel", lambda name: "_split2" not in name or True in linked)
+    gpt_oss, qwen3 = decode_problem(1, 4, 128, 128, 2944, 2880), decode_problem(1, 8, 128, 128, 2048, 768)
     for switch, form, idle in ((False, "moe_decode_w4a16_swiglu", True),
                                (True, "moe_decode_w4a16_swiglu_split2", False)):
         monkeypatch.setattr(launcher, "DECODE_SPLIT_GEMM2", switch)
@@ -495,6 +498,33 @@ def test_fused_decode_form_and_idle_gemm2_follow_the_split_switch(monkeypatch):
         assert not launcher.decode_gemm2_idle(qwen3)
     linked.clear()  # the switch on but the form not linked: unsplit, idle
     assert launcher.decode_kernel_for(gpt_oss) == "moe_decode_w4a16_swiglu" and launcher.decode_gemm2_idle(gpt_oss)
+
+
+@pytest.mark.parametrize("point,ranges,fc2", [
+    ((1, 8, 128, 128, 2048, 768), 2, False),  # Qwen3-30B-A3B T=1: 96 weight tiles, 2 ranges of 8 steps
+    ((2, 8, 128, 128, 2048, 768), 1, True),
+    ((1, 8, 256, 32, 7168, 2048), 8, False),  # DeepSeek-V3 EP8 T=1: one expected tile, 8 ranges of 7 steps
+    ((2, 8, 256, 32, 7168, 2048), 4, True),  # 14 steps a range
+    ((4, 8, 256, 32, 7168, 2048), 2, True),
+    ((1, 4, 128, 128, 2944, 2944), 1, True),  # gpt-oss-120b T=1
+], ids=["qwen3_t1", "qwen3_t2", "ep8_t1", "ep8_t2", "ep8_t4", "gpt_oss_t1"])
+def test_fused_decode_builds_the_fc2_input_in_gemm1_but_where_short_k_ranges_meet(monkeypatch, point, ranges, fc2):
+    """decode_kernel_for takes the fc2_by_gemm1 form (session 39: 1-3 µs faster at most decode points) unless
+    GEMM1's expected K ranges split a weight tile into ranges under DECODE_FC2_MIN_RANGE_STEPS steps (the two points
+    where it lost); never with DECODE_FC2_BY_GEMM1 off or the form not linked."""
+    from moe_ext import launcher
+
+    monkeypatch.setattr(launcher, "num_sms", lambda device: 132)
+    monkeypatch.setattr(launcher, "has_kernel", lambda name: True)
+    problem = decode_problem(*point)
+    assert launcher.decode_gemm1_ranges(*point[:5], problem.n1, 264) == ranges
+    form = launcher.decode_kernel_for(problem)
+    assert form.endswith("_fc2") == fc2 and form.startswith("moe_decode_w4a16_swiglu")
+    monkeypatch.setattr(launcher, "has_kernel", lambda name: not name.endswith("_fc2"))
+    assert not launcher.decode_kernel_for(problem).endswith("_fc2")
+    monkeypatch.setattr(launcher, "has_kernel", lambda name: True)  # linked, but switched off
+    monkeypatch.setattr(launcher, "DECODE_FC2_BY_GEMM1", False)
+    assert not launcher.decode_kernel_for(problem).endswith("_fc2")
 
 
 def test_fused_decode_splits_gemm2_where_few_items_of_a_long_k_leave_the_grid_idle():

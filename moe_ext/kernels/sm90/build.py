@@ -71,11 +71,13 @@ def specialisations():
               for fmt in routing.DECODE_FORMATS]
     specs += [("moe_fc2_quant_per_token", fc2_quant_per_token.compile_fc2_quant),
               ("moe_finalize", finalize.compile_finalize)]
-    # The one-launch small-T forward (w4a16, fused finalize; launcher.FUSED_DECODE).
-    # and its form whose GEMM2 splits K too (decode_fused.make_kernel's split_gemm2).
-    specs += [(f"moe_decode_w4a16_{kind}" + ("_split2" if split else ""),
-               functools.partial(decode_fused.compile_decode, kind, split_gemm2=split))
-              for kind in activations.KINDS for split in (False, True)]
+    # The one-launch small-T forward (w4a16, fused finalize; launcher.FUSED_DECODE), its form whose GEMM2 splits K
+    # too and the forms whose GEMM1 builds the FC2 input (decode_fused.make_kernel's split_gemm2, fc2_by_gemm1).
+    from ...launcher import decode_kernel
+
+    specs += [(decode_kernel(kind, split, fc2),
+               functools.partial(decode_fused.compile_decode, kind, split_gemm2=split, fc2_by_gemm1=fc2))
+              for kind in activations.KINDS for split in (False, True) for fc2 in (False, True)]
     return specs
 
 

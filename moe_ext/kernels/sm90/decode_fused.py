@@ -7,7 +7,7 @@ gaps and GEMM1 on only 96-192 CTAs. Here one cooperative grid, two CTAs an SM, d
   1. every CTA routes the T * top_k pairs itself, in shared memory (no routing launch, no maps in global memory):
      rows sorted by (local expert, pair), 8-row tiles of one expert each, and zeroes its share of the output;
   2. GEMM1: work items (row tile, 128 weight rows, K range) spread over the grid, the K ranges sized so the items
-     fill it (`splits`); each writes its fp32 partial tile to `partials`;
+     fill it (`splits`); each range leaves its fp32 partial tile in `partials`;
   3. a grid-wide barrier;
   4. GEMM2: items (row tile, 128 hidden rows); their token staging sums GEMM1's partials in rank order (as the
      cluster split-K of gemm1.py does), applies alpha and the activation and rounds to bf16 - the FC2 input
@@ -16,6 +16,12 @@ gaps and GEMM1 on only 96-192 CTAs. Here one cooperative grid, two CTAs an SM, d
      items of a long K (DeepSeek-V3's EP8 shard: 56 items of 16 steps at T=1), items also take K ranges, sized as
      GEMM1's but of GEMM2_MIN_STEPS at least: each range leaves its fp32 tile in the workspace and the range that
      arrives last sums them in rank order before that epilogue.
+
+In the fc2_by_gemm1 forms GEMM1's ranges meet that way instead (gemm1_epilogue): the last to arrive sums them,
+applies the activation and stores the bf16 FC2 input once, which GEMM2 then stages as GEMM1 stages x; both stage
+their first token chunk with its loads issued ahead of the weight copies (stream.LoadsFirst). The meeting costs each
+split GEMM1 item an arrival and a sum (~1.7 µs on the H100) and saves GEMM2's staging its serial sums, so neither
+form wins everywhere (launcher.decode_fc2_by_gemm1 picks).
 
 Both GEMMs run one copy of stream.py's mainloop on 8-token tiles (a loop over the two phases: with a copy each and
 the staging unrolled the kernel was 13,184 instructions and 41% of its stalls waited for instruction fetch). The
@@ -42,8 +48,8 @@ MAX_SPLITS = 8  # K ranges of a weight tile: the partials workspace holds this m
 # GEMM2 K steps a range at least: Qwen3-30B-A3B T=1's 2 ranges of 3 steps were 1.07x slower than one
 # (h200_session36_checks.md)
 GEMM2_MIN_STEPS = 4
-# Two CTAs an SM (128 registers: the three-CTA form's 80 spill here), 2048-K token chunks; x staged with all of a
-# thread's loads in flight, the FC2 input in a loop (stream.TokenLoads).
+# Two CTAs an SM (128 registers: the three-CTA form's 80 spill here), 2048-K token chunks, each staged with all of a
+# thread's loads in flight (stream.TokenLoads' unrolled form and stream.LoadsFirst).
 CONFIG = replace(streaming.config_for(TOKENS, 1), token_elems=TOKENS * 2048)
 BLOCK = 16  # NVFP4 weight scales
 # The timeline build (make_kernel's `timeline`): thread 0 of each CTA writes TIMELINE_WORDS u32 words at
@@ -51,10 +57,12 @@ BLOCK = 16  # NVFP4 weight scales
 # them (benchmarks/decode_timeline.py). Clocks are the SM's cycle counter; the *_ns words the GPU's global timer.
 # A phase's words start at 8 (GEMM1) and 16 (GEMM2): its first item's start, first token staging done, first
 # stages landed, first item's mainloop done (accumulators in shared memory), last item's mainloop done, the
-# phase's end (items and their epilogues done), the phase's item count, the K steps of an item (its range).
+# phase's end (items and their epilogues done), the phase's item count, the K steps of an item (its range). Words
+# 27-30: each phase's first weight copies issued and first token loads in (thread 0's).
 TIMELINE_WORDS = 32
 TIMELINE = dict(start_ns_lo=0, start_ns_hi=1, sm=2, start=3, waited=4, routed=5, zeroed=6, barrier_passed=7,
-                end=24, end_ns_lo=25, end_ns_hi=26)
+                end=24, end_ns_lo=25, end_ns_hi=26, gemm1_issued=27, gemm1_loaded=28, gemm2_issued=29,
+                gemm2_loaded=30)
 TIMELINE_PHASE = ("item", "staged", "landed", "first_done", "last_done", "end", "items", "steps")
 
 
@@ -153,12 +161,94 @@ def gemm2_partial(partials: cute.Tensor, pairs, n1, hidden, rank, row, col) -> I
         hidden) + Int64(col)) * 4
 
 
-def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = False, timeline: bool = False):
+def gemm1_partial(partials: cute.Tensor, pairs, n1, rank, row, col) -> Int64:
+    """Address of GEMM1 K range `rank`'s fp32 partial at (sorted row, n1 column)."""
+    return partials.iterator.toint() + (Int64(rank * pairs + row) * Int64(n1) + Int64(col)) * 4
+
+
+def fc2_input_address(partials: cute.Tensor, pairs, n1, hidden) -> Int64:
+    """Start of the bf16 FC2 input [sorted row][inter] that GEMM1's epilogues write and GEMM2 stages: after both
+    GEMMs' fp32 partial tiles (launcher.decode_partial_floats)."""
+    return partials.iterator.toint() + Int64(MAX_SPLITS * pairs) * Int64(n1 + hidden) * 4
+
+
+def finalize(sm, plan: RoutePlan, a_row, c0, row, col, w2_alpha: cute.Tensor, expert,
+             token_final_scales: cute.Tensor, out_address: Int64, by_top_k, hidden) -> None:
+    """gemm2.py's fused finalize of a thread's accumulators (sm.out[a_row, c0...]) of sorted row `row` at hidden
+    column `col`: router-weighted bf16 adds into the output row of its token."""
+    out_cols = CONFIG.rows * TOKENS // CONFIG.threads
+    pair = plan.row_pair[row]
+    scale = w2_alpha[expert] * token_final_scales[pair]
+    words = [ptx.pack_bf16x2(scale * sm.out[a_row, c0 + 2 * i], scale * sm.out[a_row, c0 + 2 * i + 1])
+             for i in range(out_cols // 2)]
+    address = out_address + (Int64(ptx.divide_by_magic(pair, by_top_k)) * Int64(hidden) + Int64(col)) * 2
+    ptx.write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
+
+
+@cute.jit
+def gemm1_epilogue(sm, plan: RoutePlan, tid, partials: cute.Tensor, barrier: cute.Tensor, pairs, n1, hidden, inter,
+                   t, n_tile, rank, ranges, row0, limit, alpha, params, kind: cutlass.Constexpr):
+    """A GEMM1 item's epilogue: where the weight tile's K is split, each range leaves its fp32 tile in the workspace
+    and the range that arrives last sums them in rank order (the cluster split-K's order, gemm1.py); the sum gets
+    gemm1.py's epilogue (alpha, the activation, bf16) and is stored as the rows' FC2 input. Once a tile here, where
+    GEMM2's staging had summed the ranges again in each of its hidden / 128 items, one range after another."""
+    cfg = CONFIG
+    out_cols = cfg.rows * TOKENS // cfg.threads
+    a_row = tid // (cfg.threads // TOKENS)
+    c0 = (tid % (cfg.threads // TOKENS)) * out_cols
+    live = a_row < limit - row0
+    col = n_tile * cfg.rows + c0
+    last = Int32(1)
+    if ranges > 1:
+        if live:
+            ptx.write_words(gemm1_partial(partials, pairs, n1, rank, row0 + a_row, col),
+                            [sm.out[a_row, c0 + i].bitcast(Int32) for i in range(out_cols)])
+        cute.arch.sync_threads()
+        if tid == 0:  # a u32 a GEMM1 item (row tile, weight tile); GEMM2's split form reuses them past the barrier
+            plan.arrival[0] = ptx.arrive_last(barrier.iterator.toint() + Int64(4 + t * (n1 // cfg.rows) + n_tile) * 4,
+                                              ranges)
+        cute.arch.sync_threads()
+        last = plan.arrival[0]
+        if last == 1 and live:  # every range's load in flight at once (the clamped ones repeat the last)
+            loaded = [ptx.ld_global_cg_v4(gemm1_partial(partials, pairs, n1, cute.math.min(Int32(r), ranges - 1),
+                                                        row0 + a_row, col))
+                      for r in range(MAX_SPLITS)]
+            for i in cutlass.range_constexpr(out_cols):
+                total = Float32(0.0)
+                for r in cutlass.range_constexpr(MAX_SPLITS):
+                    total = cutlass.select_(Int32(r) < ranges, total + loaded[r][i].bitcast(Float32), total)
+                sm.out[a_row, c0 + i] = total
+        cute.arch.sync_threads()
+    if last == 1:
+        gated = kind != "relu2"
+        per_thread = cfg.rows // (2 if gated else 1) * TOKENS // cfg.threads  # FC2 inputs a thread (2 or 4)
+        width = cfg.rows // (2 if gated else 1)  # FC2 columns of the weight tile: up and gate 64 apart
+        row = tid // (width // per_thread)
+        j = (tid % (width // per_thread)) * per_thread
+        if row < limit - row0:
+            values = [activations.apply(kind, sm.out[row, j + e] * alpha if gated else None,
+                                        sm.out[row, width * int(gated) + j + e] * alpha, params)
+                      for e in range(per_thread)]
+            words = [ptx.pack_bf16x2(values[2 * e], values[2 * e + 1]) for e in range(per_thread // 2)]
+            address = fc2_input_address(partials, pairs, n1, hidden) + (Int64(row0 + row) * Int64(inter) + Int64(
+                n_tile * width + j)) * 2
+            if cutlass.const_expr(per_thread == 4):
+                ptx.st_global_v2(address, words[0], words[1])
+            else:
+                ptx.st_global_b32(address, words[0])
+
+
+def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = False, timeline: bool = False,
+                fc2_by_gemm1: bool = False):
     """gemms: which GEMM phases run their items (a timing variant without one of them times the rest of the
     kernel: benchmarks/decode_phase_variants.py); the routing, the zeroing and the grid barrier always run.
     split_gemm2: GEMM2 items split K too (GEMM2_MIN_STEPS). A separate build: the arrival and the sum of the
     ranges cost the unsplit kernel 1-3% where it does not split (h200_session36_checks.md).
-    timeline: a measurement build that also writes each CTA's TIMELINE words (same signature and results)."""
+    timeline: a measurement build that also writes each CTA's TIMELINE words (same signature and results).
+    fc2_by_gemm1: GEMM1's epilogues build the bf16 FC2 input (gemm1_epilogue) and both GEMMs stage their tokens
+    with the first chunk's loads issued ahead of the weight copies (stream.LoadsFirst); otherwise GEMM2's staging
+    sums GEMM1's partials and applies the activation, in a loop after the copies (stream.TokenLoads). Neither is
+    faster everywhere (launcher.decode_fc2_by_gemm1)."""
     gated = kind != "relu2"
     cfg = CONFIG
     threads = cfg.threads
@@ -189,7 +279,8 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
             ptx.prefetch_tensormap(w2_map.get_ptr().toint())
         cute.arch.griddepcontrol_wait()
         pairs = cute.size(token_selected_experts)
-        timeline0 = barrier.iterator.toint() + Int64(4 + pairs * (hidden // cfg.rows) + cta * TIMELINE_WORDS) * 4
+        timeline0 = barrier.iterator.toint() + Int64(
+            4 + pairs * (cute.math.max(n1, hidden) // cfg.rows) + cta * TIMELINE_WORDS) * 4
         if cutlass.const_expr(timeline):
             for name, value in (("start", start_clock), ("start_ns_lo", start_ns[0]), ("start_ns_hi", start_ns[1]),
                                 ("sm", ptx.sm_id())):
@@ -230,6 +321,8 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
             per_tile = rows_per_expert // cfg.rows * ranges
             w_sf = Int64(cutlass.select_(gemm2, w2_sf.iterator.toint(), w1_sf.iterator.toint()))
             w_map = Int64(cutlass.select_(gemm2, w2_map.get_ptr().toint(), w1_map.get_ptr().toint()))
+            if cutlass.const_expr(fc2_by_gemm1):
+                token_base = Int64(cutlass.select_(gemm2, fc2_input_address(partials, pairs, n1, hidden), x_address))
             items = tiles * per_tile
             if cutlass.const_expr(gemms != (True, True)):
                 items = items * Int32(cutlass.select_(gemm2, Int32(int(gemms[1])), Int32(int(gemms[0]))))
@@ -277,10 +370,22 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                             words[i] = ptx.pack_bf16x2(values[2 * i], values[2 * i + 1])
                     return streaming.bf16x8_to_tile([words[i] for i in range(4)]), valid
 
+                def load_tokens(r, kk, k_end):
+                    """The 8 bf16 values at K = kk of row row0 + r: x of its token (GEMM1), or the row's FC2 input
+                    (GEMM2), which GEMM1's epilogues wrote."""
+                    valid = (row0 + r < limit) & (kk < k_end)
+                    row = cute.math.min(row0 + r, limit - 1)
+                    source = cutlass.select_(gemm2, row, ptx.divide_by_magic(plan.row_pair[row], by_top_k))
+                    v = ptx.ld_global_cg_v4(token_base + (Int64(source) * Int64(k_extent) + Int64(
+                        cute.math.min(kk, k_extent - 8))) * 2)
+                    return [v[i] for i in range(4)], valid
+
                 def trace(thread, event):
-                    """The first item's first staging (event 0) and first landed stages (1)."""
+                    """The first item's first staging (event 0), first landed stages (1), first copies issued (2)
+                    and first token loads in (3)."""
                     if item == cta:
-                        mark(timeline, thread, timeline0, phase_words + 1 + event)
+                        mark(timeline, thread, timeline0, phase_words + 1 + event if event < 2 else
+                             TIMELINE["gemm1_" + ("issued", "loaded")[event - 2]] + 2 * phase)
 
                 if cutlass.const_expr(split_gemm2):
                     if tid == 0:  # only thread 0 arrives (below)
@@ -289,6 +394,7 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                     mark(timeline, tid, timeline0, phase_words)
                 streaming.accumulate(sm, tid, w_sf, w_map, expert, n_tile * cfg.rows, rows_per_expert, k_extent,
                                      rank, ranges, limit - row0, TOKENS, cfg, BLOCK,
+                                     streaming.LoadsFirst(load_tokens) if fc2_by_gemm1 else
                                      streaming.TokenLoads(load_x, load_fc2_input, phase == 0), cluster_reduce=False,
                                      trace=trace if cutlass.const_expr(timeline) else None)
                 if item == cta:
@@ -319,19 +425,22 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                                     for i in cutlass.range_constexpr(4):
                                         out_tile[a_row, c0 + q * 4 + i] = out_tile[a_row, c0 + q * 4 + i] + v[
                                             i].bitcast(Float32)
-                if a_row < limit - row0 and last == 1:
-                    if gemm2:
-                        pair = plan.row_pair[row0 + a_row]
-                        scale = w2_alpha[expert] * token_final_scales[pair]
-                        words = [ptx.pack_bf16x2(scale * sm.out[a_row, c0 + 2 * i],
-                                                 scale * sm.out[a_row, c0 + 2 * i + 1]) for i in range(out_cols // 2)]
-                        address = out_address + (Int64(ptx.divide_by_magic(pair, by_top_k)) * Int64(hidden) + Int64(
-                            n_tile * cfg.rows + c0)) * 2
-                        ptx.write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
-                    else:
-                        words = [sm.out[a_row, c0 + i].bitcast(Int32) for i in range(out_cols)]
-                        ptx.write_words(partial0 + (Int64(rank * pairs + row0 + a_row) * Int64(n1) + Int64(
-                            n_tile * cfg.rows + c0)) * 4, words)
+                if cutlass.const_expr(fc2_by_gemm1):
+                    if a_row < limit - row0 and last == 1 and gemm2:
+                        finalize(sm, plan, a_row, c0, row0 + a_row, n_tile * cfg.rows + c0, w2_alpha,
+                                 expert, token_final_scales, out_address, by_top_k, hidden)
+                    if not gemm2:
+                        gemm1_epilogue(sm, plan, tid, partials, barrier, pairs, n1, hidden, inter, t, n_tile, rank,
+                                       ranges, row0, limit, alpha, (p0, p1, p2, p3), kind)
+                else:
+                    if a_row < limit - row0 and last == 1:
+                        if gemm2:
+                            finalize(sm, plan, a_row, c0, row0 + a_row, n_tile * cfg.rows + c0, w2_alpha,
+                                     expert, token_final_scales, out_address, by_top_k, hidden)
+                        else:  # this K range's fp32 partial, which GEMM2's staging sums with the others
+                            words = [sm.out[a_row, c0 + i].bitcast(Int32) for i in range(out_cols)]
+                            ptx.write_words(partial0 + (Int64(rank * pairs + row0 + a_row) * Int64(n1) + Int64(
+                                n_tile * cfg.rows + c0)) * 4, words)
                 cute.arch.sync_threads()  # the next item's staging overwrites sm.out
             mark(timeline, tid, timeline0, phase_words + 5)
             mark_value(timeline, tid, timeline0, phase_words + 6, items)
@@ -362,13 +471,13 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
 
 
 def compile_decode(kind: str, options: str, gemms: tuple = (True, True), split_gemm2: bool = False,
-                   timeline: bool = False):
+                   timeline: bool = False, fc2_by_gemm1: bool = False):
     from .fake_args import vector
 
     u8 = cutlass.Uint8
     return cute.compile(
-        make_kernel(kind, gemms, split_gemm2, timeline), vector(BFloat16, 16), vector(Int32), vector(Float32),
-        vector(u8, 16), vector(u8, 16), vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32),
+        make_kernel(kind, gemms, split_gemm2, timeline, fc2_by_gemm1), vector(BFloat16, 16), vector(Int32),
+        vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32),
         vector(BFloat16, 16), vector(Float32, 16), vector(Int32), Int32(128), Int32(128), Int32(256), Int32(1),
         Int32(1), Int32(0), Float32(0), Float32(0), Float32(0), Float32(0), Int32(1), cutlass.Boolean(True),
         cuda.CUstream(0), options=options)

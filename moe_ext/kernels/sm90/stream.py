@@ -436,6 +436,16 @@ class TokenLoads(NamedTuple):
     unrolled_when: object  # a run-time Boolean
 
 
+class LoadsFirst(NamedTuple):
+    """A load_group whose staging issues all of a thread's loads of a K-chunk before its first store (load_chunk):
+    decode_fused.py's gathers, whose row map is read from shared memory. `load(r, k, k_end)` returns the 4 words
+    of 8 bf16 values in row order, converted to the tile order only where they are stored: converted as they
+    are loaded, ptxas put the conversion (the first use of the loads) ahead of the first chunk's weight copies,
+    which then waited for the loads (1-2.5 us an item)."""
+
+    load: object
+
+
 def chunk_tasks(tokens: int, c: StreamConfig, live: int) -> int:
     """8-value chunks each thread stages per K-chunk of the first `live` token rows."""
     return live * k_chunk(tokens, c) // 8 // c.threads
@@ -450,15 +460,16 @@ def accumulate(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_exten
     (scales `w_sf`; `w_map` from weight_map): leaves its accumulator
     tile (summed over K slices, and on cluster rank 0 over the cluster's ranks) in sm.out. `load_group(r, k,
     k_end)` returns the 8 tile-order bf16x2 registers of token row r at K = k and whether they are valid (the
-    kernel's gather and decode of its activations); a TokenLoads picks one of two such loads at run time.
+    kernel's gather and decode of its activations), or a TokenLoads or LoadsFirst (their docstrings).
 
     The k_split CTAs of a cluster take contiguous runs of K steps; inside a CTA, K slice `part` takes every
     k_slices-th step of the run: its j-th step is first + j * k_slices + part. `live_rows`: the tile's token rows
     that are not padding; the narrowest mainloop width that holds them runs (mainloop_widths). Without
     `cluster_reduce` each CTA keeps its own K range's partial tile (the caller reduces them: decode_fused.py).
-    `trace(tid, event)`, if given, runs in every thread after the run's first token staging (event 0) and once
-    its first group of stages has landed (event 1): timeline marks (decode_fused.py's timeline build; the forms
-    that wait a group of stages at a time).
+    `trace(tid, event)`, if given, runs in every thread after the run's first token staging (event 0), once its
+    first group of stages has landed (event 1), after its first weight copies were issued (2) and, for a
+    LoadsFirst group, once the thread's first loads are in and stored (3): timeline marks (decode_fused.py's
+    timeline build; the forms that wait a group of stages at a time).
     """
     fill_scale_lut(sm, tid, block)  # read after the first staging barrier below
     acc = cute.make_rmem_tensor((accumulator_size(tokens, cfg),), Float32)
@@ -527,9 +538,12 @@ def stage_tokens(sm, tid, first, k_run, k_end, tokens: cutlass.Constexpr, cfg: c
     if cutlass.const_expr(cfg.mma == "wgmma_async"):
         ptx.wgmma_wait(0)  # the last steps' wgmmas still read the tile this staging overwrites
     cute.arch.sync_threads()
-    if cutlass.const_expr(isinstance(load_group, TokenLoads)):
+    if cutlass.const_expr(isinstance(load_group, LoadsFirst)):
+        store_loaded(sm, load_chunk(tid, first, k_run, k_end, tokens, cfg, load_group.load, live), tokens, cfg)
+    elif cutlass.const_expr(isinstance(load_group, TokenLoads)):
         if load_group.unrolled_when:
-            stage_loads_first(sm, tid, first, k_run, k_end, tokens, cfg, load_group.unrolled, live)
+            store_loaded(sm, load_chunk(tid, first, k_run, k_end, tokens, cfg, load_group.unrolled, live), tokens, cfg,
+                         tile_order=True)
         else:
             for m in cutlass.range(chunk_tasks(tokens, cfg, live), unroll=1):
                 stage_task(sm, tid, m, first, k_run, k_end, tokens, cfg, load_group.looped)
@@ -541,14 +555,19 @@ def stage_tokens(sm, tid, first, k_run, k_end, tokens: cutlass.Constexpr, cfg: c
     cute.arch.sync_threads()
 
 
-def stage_loads_first(sm, tid, first, k_run, k_end, tokens: int, cfg: StreamConfig, load_group, live: int) -> None:
-    """A K-chunk's tasks with every load before any store: a task's row map read (shared memory) may not pass the
-    previous task's store to the tile (shared too), so staged task by task they chain one global load latency each
-    (3.5 us for decode_fused's 8 at T=1)."""
-    loaded = [load_task(tid, m, first, k_run, k_end, tokens, cfg, load_group)
-              for m in range(chunk_tasks(tokens, cfg, live))]
+def load_chunk(tid, first, k_run, k_end, tokens: int, cfg: StreamConfig, load_group, live: int) -> list:
+    """A K-chunk's staging tasks, loaded (load_task's tuples), every load before any store: a task's row map read
+    (shared memory) may not pass the previous task's store to the tile (shared too), so staged task by task they
+    chain one global load latency each (3.5 us for decode_fused's 8 at T=1)."""
+    return [load_task(tid, m, first, k_run, k_end, tokens, cfg, load_group)
+            for m in range(chunk_tasks(tokens, cfg, live))]
+
+
+def store_loaded(sm, loaded: list, tokens: int, cfg: StreamConfig, tile_order: bool = False) -> None:
+    """Stores load_chunk's tasks: a LoadsFirst group's row-order bf16 words, converted to the tile order, or values
+    already in it (`tile_order`)."""
     for r, c, values, valid in loaded:
-        store_chunk(sm, r, c, values, valid, tokens, cfg)
+        store_chunk(sm, r, c, values if tile_order else bf16x8_to_tile(values), valid, tokens, cfg)
 
 
 def load_task(tid, m, first, k_run, k_end, tokens: int, cfg: StreamConfig, load_group) -> tuple:
@@ -622,10 +641,19 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
             cute.arch.mbarrier_init(sm.empty + s, cfg.warps * cfg.k_slices)
         cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
+    early = isinstance(load_group, LoadsFirst)  # the first chunk's loads ahead of the weight copies
+    loaded = load_chunk(tid, first, 0, k_end, tokens, cfg, load_group.load, live) if early else None
     if tid < 32:
         for s in cutlass.range_constexpr(cfg.stages):
             if s < num_stages:
                 issue_tma_stage(sm, tid, src, first, s, steps, block, cfg)
+    if cutlass.const_expr(trace is not None):
+        trace(tid, 2)
+    if cutlass.const_expr(early):
+        store_loaded(sm, loaded, tokens, cfg)
+        if cutlass.const_expr(trace is not None):
+            trace(tid, 3)
+        cute.arch.sync_threads()
     first_single = 0  # the stages taken one at a time: all of them, or those after the whole groups
     if cutlass.const_expr(cfg.stages_per_wait > 1):
         # Groups of stages_per_wait whole stages: every wait first, then the consumptions with no branch between
@@ -655,10 +683,17 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
             refill_tma_stage(sm, tid, src, first, i - 1, num_stages, steps, block, cfg)
         k_run = i * cfg.k_slices * cfg.k_step
         in_chunk = k_run & (chunk - 1)  # k_run >= 0 and chunk a power of two: one AND, not a signed remainder
-        if in_chunk == 0:
+        if restages(k_run, chunk, load_group):
             stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group, live)
         consume_tma_stage(sm, place, i, in_chunk, part, steps, acc, tokens, block, cfg, live)
         release_tma_stage(sm, tid, i, cfg)
+
+
+def restages(k_run, chunk: int, load_group):
+    """Whether the step at k_run starts a K-chunk the mainloop stages (a LoadsFirst group's first chunk was staged
+    before the weight copies were issued)."""
+    starts = k_run & (chunk - 1) == 0
+    return starts & (k_run > 0) if isinstance(load_group, LoadsFirst) else starts
 
 
 @cute.jit
@@ -675,7 +710,7 @@ def group_step(sm: Smem, tid, place: StepPlace, src, first, g, first_slot, phase
         for u in cutlass.range_constexpr(per_group):
             refill_tma_stage(sm, tid, src, first, (g - 1) * per_group + u, num_stages, steps, block, cfg)
     k_run = g * per_group * cfg.k_slices * cfg.k_step
-    if k_run & (chunk - 1) == 0:
+    if restages(k_run, chunk, load_group):
         stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group, live)
     if cutlass.const_expr(trace is not None):
         if g == 0:

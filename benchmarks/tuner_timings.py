@@ -1,0 +1,23 @@
+"""What the tuner saw: moe_ext.bench with every moe_ext.tuning.profile call's timings printed (candidate -> median
+µs, fastest first), so a tuned point can be checked against graph replays of the tactics it weighed.
+
+    python3 benchmarks/tuner_timings.py --shapes deepseek-v3-ep8 --tokens 8 --tactic tuned [bench arguments]
+"""
+import sys
+
+from moe_ext import bench, tuning
+
+_profile = tuning.profile
+
+
+def logged_profile(*args, **kwargs) -> dict:
+    timings = _profile(*args, **kwargs)
+    ranked = sorted(timings.items(), key=lambda kv: kv[1])
+    print("tuner timings (us): " + ", ".join(f"{tactic}: {seconds * 1e6:.1f}" for tactic, seconds in ranked),
+          flush=True)
+    return timings
+
+
+if __name__ == "__main__":
+    tuning.profile = logged_profile  # AutoTuner.choose looks the name up at each call
+    sys.exit(bench.main(sys.argv[1:]))
