@@ -270,7 +270,6 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
         out_tile = sm.out  # written below inside run-time branches, which would otherwise carry all of `sm`
         by_top_k = ptx.division_magic(top_k)
         x_address = x_bf16.iterator.toint()
-        partial0 = partials.iterator.toint()  # GEMM1's K ranges' tiles, then GEMM2's (gemm2_partial)
         out_address = out.iterator.toint()
         # Before the wait (the descriptors do not depend on the previous kernel): a descriptor's first fetch would
         # otherwise sit between the routing and GEMM1's first copies, and between the grid barrier and GEMM2's.
@@ -356,7 +355,7 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                         acc = cute.make_rmem_tensor((16,), Float32)
                         acc.fill(0.0)
                         for rank_in in cutlass.range(s1):  # GEMM1's ranges
-                            base = partial0 + (Int64(rank_in * pairs + row) * Int64(n1) + Int64(col)) * 4
+                            base = gemm1_partial(partials, pairs, n1, rank_in, row, col)
                             for half in cutlass.range_constexpr(2 if gated else 1):
                                 for q in cutlass.range_constexpr(2):
                                     v = ptx.ld_global_cg_v4(base + half * (cfg.rows // 2) * 4 + q * 16)
@@ -439,8 +438,8 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                                      expert, token_final_scales, out_address, by_top_k, hidden)
                         else:  # this K range's fp32 partial, which GEMM2's staging sums with the others
                             words = [sm.out[a_row, c0 + i].bitcast(Int32) for i in range(out_cols)]
-                            ptx.write_words(partial0 + (Int64(rank * pairs + row0 + a_row) * Int64(n1) + Int64(
-                                n_tile * cfg.rows + c0)) * 4, words)
+                            ptx.write_words(gemm1_partial(partials, pairs, n1, rank, row0 + a_row,
+                                                          n_tile * cfg.rows + c0), words)
                 cute.arch.sync_threads()  # the next item's staging overwrites sm.out
             mark(timeline, tid, timeline0, phase_words + 5)
             mark_value(timeline, tid, timeline0, phase_words + 6, items)
