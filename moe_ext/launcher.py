@@ -593,6 +593,12 @@ def decode_barrier_words(pairs: int, n1: int, hidden: int) -> int:
     return 4 + pairs * -(-max(n1, hidden) // 128)
 
 
+def decode_splits(ctas: int, items: int, steps: int, min_steps: int) -> int:
+    """decode_fused.splits on the host: the K ranges a weight tile of `steps` 128-K steps takes when `items` items
+    share a grid of `ctas` CTAs, each range at least `min_steps` steps, at most DECODE_SPLITS."""
+    return max(1, min(max(1, ctas // max(1, items)), DECODE_SPLITS, steps // min_steps))
+
+
 def decode_splits_gemm2(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, hidden: int,
                         inter: int, ctas: int) -> bool:
     """Whether FUSED_DECODE takes the kernel form that also splits GEMM2's K (decode_fused.make_kernel's
@@ -603,7 +609,7 @@ def decode_splits_gemm2(num_tokens: int, top_k: int, num_experts: int, num_local
     (56 items of 16 K steps), T=2 1.04x, gpt-oss-120b T=1 1.12x, Mixtral T=1 / 2 1.67x / 1.24x; Qwen3-30B-A3B T=1
     (2 ranges of 3 steps) 0.93x, and 0.97-0.99x wherever GEMM2 did not split: hence a form of its own."""
     hit = max(1.0, expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts))
-    return ctas // math.ceil(hit * (hidden // 128)) >= 2 and inter // 128 // DECODE_GEMM2_MIN_STEPS >= 2
+    return decode_splits(ctas, math.ceil(hit * (hidden // 128)), inter // 128, DECODE_GEMM2_MIN_STEPS) >= 2
 
 
 def offers_fused_decode(mode: str, kind: str, fused_finalize: bool, localized: bool, tiles: tuple) -> bool:
@@ -638,8 +644,7 @@ def decode_gemm1_ranges(num_tokens: int, top_k: int, num_experts: int, num_local
                        n1: int, ctas: int) -> int:
     """The K ranges decode_fused.splits gives each GEMM1 weight tile, with one routing tile an expected expert hit."""
     tiles = math.ceil(max(1.0, expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts)) - 1e-9)
-    ranges = max(1, ctas // (tiles * (n1 // 128)))
-    return max(1, min(ranges, DECODE_SPLITS, hidden // 128 // 2))
+    return decode_splits(ctas, tiles * (n1 // 128), hidden // 128, 2)
 
 
 def decode_fc2_by_gemm1(problem) -> bool:
