@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 
 import moe_ext
+from moe_ext import launcher
 from moe_ext.activation import Activation, ActivationType
 from moe_ext.bench_peers import (PeerUnavailable, TritonKernelsMxfp4, bucket_counts, grouped_mm_moe, route_buckets,
                                  triton_kernels_unavailable)
@@ -185,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tactic", type=tactic_choice, default="tuned",
                         help="moe_ext's tactic: tuned (autotune on the first call), default (the heuristic's, no "
                              "tuning: for A/B runs of two kernel builds) or one given as integers, e.g. 16,1,2")
+    parser.add_argument("--decode-form", choices=("rule", "fc2", "partials"), default="rule",
+                        help="FUSED_DECODE's kernel form: launcher.decode_fc2_by_gemm1's choice, or one form "
+                             "wherever the one-launch forward runs (an A/B of the rule)")
     parser.add_argument("--host-overhead", action="store_true",
                         help="instead of the sweep: host time of an eager wrapper.run at T=1 and the kernel nodes "
                              "of a captured forward, per shape, mode and finalize")
@@ -1013,6 +1017,18 @@ def write_plot(records: list[dict], path: str) -> None:
         print(f"--plot skipped: {exc}", file=sys.stderr)
 
 
+def force_decode_form(form: str) -> None:
+    """--decode-form: "fc2" drops the rule's step floor, "partials" turns the fc2_by_gemm1 forms off. Refused when
+    the form is not linked (the launcher would run the other one)."""
+    if form != "rule" and not launcher.has_kernel(launcher.decode_kernel("swiglu", False, form == "fc2")):
+        raise SystemExit(f"--decode-form {form}: the launcher links no such decode objects (a build older than the "
+                         "tree?)")
+    if form == "fc2":
+        launcher.DECODE_FC2_MIN_RANGE_STEPS = 0
+    elif form == "partials":
+        launcher.DECODE_FC2_BY_GEMM1 = False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -1020,6 +1036,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{torch.__version__} sees none here. Run it on the H200.", file=sys.stderr)
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
+    force_decode_form(args.decode_form)
     run = Run(args, device, l2_bytes(device), run_metadata(argv, torch.cuda.get_device_name(device)), [])
     if args.energy_seconds > 0:
         run.energy = EnergyCounter(device.index)

@@ -19,6 +19,8 @@
 #              (benchmarks/tactic_table.py), and where the heuristic's tactic ranks: the data for retuning it
 #   fused_decode: tests/test_fused_decode.py, then whole forwards of the heuristic's tactic against FUSED_DECODE
 #              (8,-3,-3) at $DECODE_SHAPES x $DECODE_TOKENS (default T = 1, 2, 4, 8), $AB_ROUNDS interleaved rounds
+#   decode_forms: whole forwards (heuristic's tactic) with each FUSED_DECODE form of $DECODE_FORMS (bench's
+#              --decode-form: rule, fc2, partials) at $DECODE_SHAPES x $DECODE_TOKENS, $AB_ROUNDS interleaved rounds
 #   ab_tactics: per-kernel profile of each tactic of $AB_TACTICS ("default" or "tile,split1,split2") at $AB_POINTS
 #   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels);
 #              $SWEEP_TOKENS and $SWEEP_SHAPES narrow it
@@ -222,6 +224,16 @@ elif [ "$PART" = fused_decode ]; then  # the one-launch small-T forward: its tes
         --modes w4a16 --finalize fused --impls moe_ext --tactic "$t" --iters 50 --max-seconds-per-point 1.0 \
         --energy-seconds 0 --out "$OUT/$name.json"
       bench_summary "$OUT/$name.json" "$t round $round"
+    done
+  done
+elif [ "$PART" = decode_forms ]; then  # launcher.decode_fc2_by_gemm1's rule against each form it chooses from
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    for form in ${DECODE_FORMS:-fc2 partials}; do
+      name="decode_form_${form}_$round"
+      step "$name" 200 python3 -m moe_ext.bench --shapes "${DECODE_SHAPES:-$SHAPES}" --tokens "${DECODE_TOKENS:-1,2,4,8}" \
+        --modes w4a16 --finalize fused --impls moe_ext --tactic default --decode-form "$form" --iters 50 \
+        --max-seconds-per-point 1.0 --energy-seconds 0 --out "$OUT/$name.json"
+      bench_summary "$OUT/$name.json" "$form round $round"
     done
   done
 elif [ "$PART" = tactic_table ]; then

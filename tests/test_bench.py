@@ -323,7 +323,8 @@ def test_cli_defaults_and_selection():
     assert args.shapes == list(bench.SHAPES) and args.tokens == [1, 8, 64, 256, 1024, 4096, 16384]
     assert args.modes == ["w4a16", "w4a4", "w4a8"] and args.finalize == ["fused", "deterministic"]
     assert args.impls == list(bench.IMPLS) and args.out == bench.DEFAULT_OUT and not args.host_overhead
-    assert args.tactic == "tuned"
+    assert args.tactic == "tuned" and args.decode_form == "rule"
+    assert bench.parse_args(["--decode-form", "partials"]).decode_form == "partials"
     assert bench.parse_args(["--tactic", "default"]).tactic == "default"
     assert bench.parse_args(["--tactic", "16,1,-2"]).tactic == (16, 1, -2)
     args = bench.parse_args(["--shapes", "mixtral-8x7b,qwen3-30b-a3b", "--tokens", "1,64", "--modes", "w4a4",
@@ -351,11 +352,27 @@ def test_host_time_is_the_median_batch_so_one_stalled_batch_does_not_decide(monk
 
 @pytest.mark.parametrize("bad", [["--shapes", "llama"], ["--modes", "w8a8"], ["--tokens", "0"],
                                  ["--tokens", "a,b"], ["--impls", "cublas"], ["--finalize", "atomic"],
-                                 ["--iters", "0"], ["--tactic", "fastest"]])
+                                 ["--iters", "0"], ["--tactic", "fastest"], ["--decode-form", "split"]])
 def test_cli_rejects_bad_values(bad, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(bad)
     assert bad[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("form,flag,floor", [("rule", True, 9), ("fc2", True, 0), ("partials", False, 9)])
+def test_decode_form_sets_the_launchers_choice(form, flag, floor, monkeypatch):
+    monkeypatch.setattr(bench.launcher, "has_kernel", lambda name: True)
+    monkeypatch.setattr(bench.launcher, "DECODE_FC2_BY_GEMM1", True)
+    monkeypatch.setattr(bench.launcher, "DECODE_FC2_MIN_RANGE_STEPS", 9)
+    bench.force_decode_form(form)
+    assert (bench.launcher.DECODE_FC2_BY_GEMM1, bench.launcher.DECODE_FC2_MIN_RANGE_STEPS) == (flag, floor)
+
+
+def test_decode_form_is_refused_when_its_objects_are_not_linked(monkeypatch):
+    monkeypatch.setattr(bench.launcher, "has_kernel", lambda name: not name.endswith("_fc2"))
+    with pytest.raises(SystemExit, match="--decode-form fc2"):
+        bench.force_decode_form("fc2")
+    bench.force_decode_form("rule")
 
 
 def test_metadata_names_command_and_tree():

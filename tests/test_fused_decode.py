@@ -26,6 +26,10 @@ def fc2_form(request, monkeypatch):
     """Every test on both ways the kernel builds GEMM2's input (decode_fused's fc2_by_gemm1: GEMM2's staging sums
     GEMM1's K ranges, or GEMM1's last range does), whichever the launcher's rule picks for the case."""
     by_gemm1 = request.param == "fc2_by_gemm1"
+    missing = [name for name in (launcher.decode_kernel("swiglu", split, by_gemm1) for split in (False, True))
+               if not launcher.has_kernel(name)]
+    if missing:  # the launcher would quietly run the other form: a build older than this tree
+        pytest.fail(f"the launcher links no {missing}: rebuild the kernels (python -m moe_ext.kernels.sm90.build)")
     monkeypatch.setattr(launcher, "decode_fc2_by_gemm1", lambda problem: by_gemm1)
     return by_gemm1
 
@@ -162,6 +166,7 @@ def _with_tactic(run, tactic):
     (dict(num_tokens=9, top_k=8), "72 pairs"),
 ])
 def test_fused_decode_is_offered_only_where_it_runs(over, why):
+    over = dict(over)  # the parameter's dict is shared by both forms' runs
     tokens, top_k = over.pop("num_tokens", 4), over.pop("top_k", 8)
     case = make_case("w4a16", num_tokens=tokens, top_k=top_k, num_experts=16, hidden=256, inter=256).to("cuda")
     problem = build_problem(**case.kwargs(**over))
