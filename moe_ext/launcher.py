@@ -307,6 +307,8 @@ DECODE_SPLIT_GEMM2 = True
 # Session 39 (H100, graph replays, two rounds, against the forms that build the FC2 input in GEMM2's staging): 1-3 µs
 # faster at Qwen3-30B-A3B T = 2 / 4, DeepSeek-V3 EP8 T = 2 / 4 / 8 and gpt-oss-120b T = 1 / 2, 2.4 µs slower at
 # Qwen3 T=1 and 0.35 slower at EP8 T=1, where GEMM1's items are short K ranges that each pay the ranges' meeting.
+# Session 40 (H100, each form forced by `moe_ext.bench --decode-form`, two rounds, five shapes, T = 1-8): the rule
+# picks the faster form at every point where they differ (DeepSeek-V3 T=1 90.7 -> 87.9 µs with this form).
 DECODE_FC2_BY_GEMM1 = True
 # 128-K steps of GEMM1's expected K ranges up to which FUSED_DECODE keeps the other forms where the ranges split
 # (decode_fc2_by_gemm1): the two measured losses above had 8 and 7, the wins 14 and more or no split.

@@ -374,12 +374,12 @@ def test_fused_decode_kernels_fit_the_instruction_cache_and_do_not_spill(built_k
     fetch (ncu, Qwen3-30B-A3B T=1). It must stay small and in registers: no local memory, but in the forms whose
     GEMM2 staging sums GEMM1's ranges and splits K (a few values over the phase loop at the 128-register cap, none
     in the mainloop). Every form issues a thread's token loads before its first store into the token tile (task by
-    task each load waited for the previous store, 3.5 us at T=1), and the fc2_by_gemm1 forms issue the first
-    chunk's before the weight copies."""
+    task each load waited for the previous store, 3.5 us at T=1), and issues the first chunk's before the weight
+    copies."""
     for kind in ("swiglu", "situ", "geglu_tanh", "relu2"):
         listing = kernel_sass.sass(str(built_kernels / f"moe_decode_w4a16_{kind}{form}.o"))
         counts = kernel_sass.opcode_counts(listing)
-        spills = 8 if form == "_split2" else 0
+        spills = 16 if form == "_split2" else 0
         assert counts["LDL"] + counts["STL"] <= spills, (kind, counts["LDL"] + counts["STL"])
         assert sum(counts.values()) < 6000, (kind, sum(counts.values()))
         # the grid barrier's atomic and its gpu-scope fences; the K ranges' arrival counts
@@ -388,9 +388,8 @@ def test_fused_decode_kernels_fit_the_instruction_cache_and_do_not_spill(built_k
         first_load = next(i for i, line in enumerate(lines) if "LDG.E.128" in line)
         first_store = next(i for i in range(first_load, len(lines)) if "STS" in lines[i])
         assert sum("LDG.E.128" in line for line in lines[first_load:first_store]) >= 4, kind
-        if "fc2" in form:
-            first_copy = next(i for i, line in enumerate(lines) if "UTMALDG" in line)
-            assert sum("LDG.E.128" in line for line in lines[:first_copy]) >= 4, kind
+        first_copy = next(i for i, line in enumerate(lines) if "UTMALDG" in line)
+        assert sum("LDG.E.128" in line for line in lines[:first_copy]) >= 4, kind
 
 
 def test_fused_decode_timeline_build_marks_its_points_outside_the_mainloop(tmp_path, kernel_sass):

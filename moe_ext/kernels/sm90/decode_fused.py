@@ -341,7 +341,7 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                     token = ptx.divide_by_magic(plan.row_pair[cute.math.min(row0 + r, limit - 1)], by_top_k)
                     v = ptx.ld_global_v4(x_address + (Int64(token) * Int64(hidden) + Int64(
                         cute.math.min(kk, hidden - 8))) * 2)
-                    return streaming.bf16x8_to_tile([v[i] for i in range(4)]), valid
+                    return [v[i] for i in range(4)], valid
 
                 def load_fc2_input(r, kk, k_end):
                     """GEMM2's 8 values at K = kk of row row0 + r: gemm1.py's epilogue (alpha, the activation,
