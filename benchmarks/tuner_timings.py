@@ -2,6 +2,9 @@
 µs, fastest first), so a tuned point can be checked against graph replays of the tactics it weighed.
 
     python3 benchmarks/tuner_timings.py --shapes deepseek-v3-ep8 --tokens 8 --tactic tuned [bench arguments]
+
+`--warm-l2` times the candidates without evicting L2 between samples (tuning.FLUSH_L2_BETWEEN_SAMPLES off): the
+tuner as it was up to session 40.
 """
 import sys
 
@@ -20,4 +23,8 @@ def logged_profile(*args, **kwargs) -> dict:
 
 if __name__ == "__main__":
     tuning.profile = logged_profile  # AutoTuner.choose looks the name up at each call
-    sys.exit(bench.main(sys.argv[1:]))
+    argv = sys.argv[1:]
+    if "--warm-l2" in argv:
+        argv.remove("--warm-l2")
+        tuning.FLUSH_L2_BETWEEN_SAMPLES = False
+    sys.exit(bench.main(argv))

@@ -17,6 +17,12 @@ from typing import Callable, Sequence
 import torch
 
 Tactic = tuple
+# Whether profile overwrites the GPU's L2 before each timed sample. A served layer's weights come from DRAM (the
+# other layers' run in between) and moe_ext.bench rotates weight copies so that they do; timed back to back on the
+# same inputs a candidate keeps part of its weights in L2 (50-60 MB), which may favour the kernel chain over the
+# one-launch decode: session 38's tuner took the chain at DeepSeek-V3 EP8 T=8 (73.6 µs) where graph replays of the
+# heuristic's one-launch forward took 65.7-66.1 (benchmarks/tuner_timings.py --warm-l2 shows the other way).
+FLUSH_L2_BETWEEN_SAMPLES = True
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -141,15 +147,26 @@ class AutoTuner:
         os.replace(tmp, path)
 
 
+def l2_flush(device: torch.device) -> Callable[[], None]:
+    """A call that overwrites twice the L2 of `device` (a memset on the current stream): what it held is evicted."""
+    scratch = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.uint8,
+                          device=device)
+    return scratch.zero_
+
+
 def profile(run: Callable[[Tactic], None], tactics: Sequence[Tactic], device: torch.device, warmup: int,
-            repeats: int, use_cuda_graph: bool, budget_s: float = 2e-3, max_repeats: int = 25) -> dict:
+            repeats: int, use_cuda_graph: bool, budget_s: float = 2e-3, max_repeats: int = 25,
+            flush: Callable[[], None] | None = None) -> dict:
     """Median seconds of one run of each of `tactics`; through CUDA-graph replay when asked, so launch cost does
     not decide between tactics at small T. The candidates are sampled in rounds (one run of each, in an order
     that rotates), so a drift of the clocks (a power-capped H200 spread one prefill point's forwards by 14%) shifts
     every candidate alike instead of deciding between them. At least `repeats` rounds, and more (up to
     `max_repeats`) while each candidate's samples add up to under `budget_s`: a decode forward of tens of
     microseconds gets a median that separates tactics a few percent apart, a prefill forward of milliseconds is
-    not timed for longer than it needs."""
+    not timed for longer than it needs. `flush` runs before each sample, untimed (on a GPU, by default, l2_flush
+    where FLUSH_L2_BETWEEN_SAMPLES)."""
+    if flush is None and device.type == "cuda" and FLUSH_L2_BETWEEN_SAMPLES:
+        flush = l2_flush(device)
     graphs = {}
     for tactic in tactics:
         for _ in range(warmup):
@@ -160,6 +177,8 @@ def profile(run: Callable[[Tactic], None], tactics: Sequence[Tactic], device: to
                 run(tactic)
 
     def sample(tactic) -> float:
+        if flush is not None:
+            flush()
         if device.type != "cuda":
             start = time.perf_counter()
             run(tactic)

@@ -442,6 +442,34 @@ def test_profile_samples_the_candidates_in_rotating_rounds():
     assert min(timings, key=timings.get) == (2,) and max(timings, key=timings.get) == (1,)
 
 
+def test_profile_evicts_before_every_timed_sample_but_not_the_warm_ups():
+    """Each timed sample starts from a flushed cache (a served layer's weights come from DRAM); the warm-up runs
+    need none."""
+    from moe_ext.tuning import profile
+
+    events = []
+    profile(lambda tactic: events.append(tactic), [(1,), (2,)], torch.device("cpu"), warmup=1, repeats=3,
+            use_cuda_graph=False, max_repeats=3, flush=lambda: events.append("flush"))
+    assert events[:2] == [(1,), (2,)]
+    assert events[2:] == ["flush", (1,), "flush", (2,), "flush", (2,), "flush", (1,), "flush", (1,), "flush", (2,)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_default_flush_overwrites_twice_the_l2(monkeypatch):
+    from moe_ext import tuning
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    flush = tuning.l2_flush(device)
+    assert flush.__self__.numel() == 2 * torch.cuda.get_device_properties(device).L2_cache_size
+    flushes = []
+    monkeypatch.setattr(tuning, "l2_flush", lambda d: lambda: flushes.append(d))
+    tuning.profile(lambda tactic: None, [(1,)], device, warmup=1, repeats=2, use_cuda_graph=False, max_repeats=2)
+    assert flushes == [device, device]
+    monkeypatch.setattr(tuning, "FLUSH_L2_BETWEEN_SAMPLES", False)
+    tuning.profile(lambda tactic: None, [(1,)], device, warmup=1, repeats=2, use_cuda_graph=False, max_repeats=2)
+    assert len(flushes) == 2
+
+
 def test_hopper_default_tactic_takes_the_fused_decode_up_to_three_gemm1_tiles_an_sm():
     """FUSED_DECODE where it runs and GEMM1's expected weight tiles fit one an SM (measured 1.25-1.74x there), and up
     to three an SM unless GEMM2's few long items would idle the grid unsplit (1.07-1.23x at 1.4-2.7 tiles an SM;
