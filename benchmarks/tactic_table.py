@@ -23,32 +23,23 @@ import statistics
 import torch
 
 import moe_ext
-from moe_ext.bench import (FINALIZE, SHAPES, Point, l2_bytes, moe_ext_inputs, point_seed, random_moe_ext_weights,
-                           random_routing, routing_stats, supported_dims)
+from moe_ext.bench import (FINALIZE, SHAPES, Point, moe_ext_inputs, point_seed, random_moe_ext_weights, random_routing,
+                           routing_stats, supported_dims)
+from moe_ext.tuning import l2_flush
 
 
 def tactic_key(tactic) -> str:
     return ",".join(map(str, tactic))
 
 
-def eviction_buffer(device) -> torch.Tensor:
-    """What evict_l2 reads: twice the L2, written once here (zeros), so its lines are clean when it is read."""
-    return torch.zeros(2 * l2_bytes(device) // 4, dtype=torch.int32, device=device)
-
-
-def evict_l2(flush: torch.Tensor) -> None:
-    """Read `flush` (twice the L2) whole: the lines it leaves behind are clean."""
-    flush.sum(dtype=torch.int64)
-
-
-def cold_medians_us(graphs: dict, rounds: int, flush: torch.Tensor) -> dict:
+def cold_medians_us(graphs: dict, rounds: int, flush) -> dict:
     """Median µs of each graph's replay, every replay after an L2-evicting read, in rotating order."""
     names = list(graphs)
     samples = {name: [] for name in names}
     for r in range(rounds):
         events = []
         for name in names[r % len(names):] + names[:r % len(names)]:
-            evict_l2(flush)
+            flush()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             graphs[name].replay()
@@ -86,7 +77,7 @@ def tactic_forwards(shape, num_tokens: int, draw: int, dims: tuple[int, int], de
     return fields, forwards
 
 
-def measure_draw(shape, num_tokens: int, draw: int, dims: tuple[int, int], rounds: int, flush: torch.Tensor) -> dict:
+def measure_draw(shape, num_tokens: int, draw: int, dims: tuple[int, int], rounds: int, flush) -> dict:
     """One routing draw of a point at (H, I) = dims: every valid tactic's cold forward (median µs), and the
     heuristic's choice."""
     fields, forwards = tactic_forwards(shape, num_tokens, draw, dims, torch.device("cuda"))
@@ -144,7 +135,7 @@ def main() -> None:
         with open(args.summarize) as f:
             print_summary(summarize(json.load(f)))
         return
-    flush = eviction_buffer("cuda")
+    flush = l2_flush(torch.device("cuda", torch.cuda.current_device()))
     records = []
     for spec in args.points.split(","):
         name, num_tokens = spec.split(":")

@@ -52,13 +52,13 @@ from moe_ext.bench_peers import (PeerUnavailable, TritonKernelsMxfp4, bucket_cou
 from moe_ext.backends import backend_for
 from moe_ext.problem import build_problem
 from moe_ext.routing import expected_experts_hit as routing_expected_experts_hit
+from moe_ext.tuning import l2_bytes
 from moe_ext.quant import e4m3_encode, swizzled_size, ue8m0_encode_ceil
 from moe_ext.quant.block import MX_BLOCK, NVFP4_BLOCK, sf_block
 from moe_ext.quant.prepare import NVFP4_GLOBAL_RANGE
 
 PEAK_READ_BYTES_PER_S = 4.15e12  # H200 HBM read stream, measured (docs/perf-notes.md)
 PEAK_BF16_FLOPS = 793e12  # H200 dense bf16 MMA, measured
-DEFAULT_L2_BYTES = 50 * 2 ** 20  # H100/H200 L2, used when the device does not report its own
 
 IMPLS = ("moe_ext", "torch_grouped_mm_bf16", "triton_kernels_mxfp4")
 PEERS = IMPLS[1:]
@@ -477,10 +477,6 @@ def random_mxfp4_kn_weights(point: Point, device, generator) -> tuple[torch.Tens
 # ----------------------------------------------------------------------------------------------------------------
 # L2-cold rotation and timing
 # ----------------------------------------------------------------------------------------------------------------
-
-def l2_bytes(device) -> int:
-    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or DEFAULT_L2_BYTES)
-
 
 def rotation_count(bytes_per_forward: float, l2: int, minimum: int = 4, maximum: int = 32) -> int:
     """Input sets to rotate so that between two replays of one set the others move >= 2x L2 bytes: the data a

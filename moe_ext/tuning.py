@@ -7,6 +7,7 @@ tactic is used, else the backend's default. Profiling never runs while a CUDA gr
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -17,12 +18,13 @@ from typing import Callable, Sequence
 import torch
 
 Tactic = tuple
-# Whether profile overwrites the GPU's L2 before each timed sample. A served layer's weights come from DRAM (the
+# Whether profile evicts the GPU's L2 before each timed sample. A served layer's weights come from DRAM (the
 # other layers' run in between) and moe_ext.bench rotates weight copies so that they do; timed back to back on the
 # same inputs a candidate keeps part of its weights in L2 (50-60 MB), which may favour the kernel chain over the
 # one-launch decode: session 38's tuner took the chain at DeepSeek-V3 EP8 T=8 (73.6 µs) where graph replays of the
-# heuristic's one-launch forward took 65.7-66.1 (benchmarks/tuner_timings.py --warm-l2 shows the other way).
+# heuristic's one-launch forward took 65.7-66.1 (benchmarks/tuner_timings.py --warm-l2 times them the old way).
 FLUSH_L2_BETWEEN_SAMPLES = True
+DEFAULT_L2_BYTES = 50 * 2 ** 20  # H100/H200 L2, used when the device does not report its own
 
 
 def token_bucket(num_tokens: int) -> int:
@@ -147,11 +149,16 @@ class AutoTuner:
         os.replace(tmp, path)
 
 
+def l2_bytes(device: torch.device) -> int:
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or DEFAULT_L2_BYTES)
+
+
 def l2_flush(device: torch.device) -> Callable[[], None]:
-    """A call that overwrites twice the L2 of `device` (a memset on the current stream): what it held is evicted."""
-    scratch = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.uint8,
-                          device=device)
-    return scratch.zero_
+    """A call that evicts what the L2 of `device` holds by reading twice its size (a reduction on the current
+    stream) from a buffer written once here: read, its lines stay clean. A write flush would leave the L2 full of
+    dirty lines whose write-back the next timed run pays (session 31: 1.09-1.16x, 3.5-13 µs more at T=1)."""
+    clean = torch.zeros(2 * l2_bytes(device) // 4, dtype=torch.int32, device=device)
+    return functools.partial(torch.sum, clean, dtype=torch.int64)
 
 
 def profile(run: Callable[[Tactic], None], tactics: Sequence[Tactic], device: torch.device, warmup: int,

@@ -713,7 +713,7 @@ def test_tactic_table_draws_the_benchmarks_routing_and_runs_every_valid_tactic()
 def test_tactic_table_times_every_valid_tactic_cold():
     """One draw of a small point on the kernels: a positive time for every tactic the wrapper accepts."""
     table = load_benchmark("tactic_table")
-    flush = table.eviction_buffer("cuda")
+    flush = moe_ext.tuning.l2_flush(torch.device("cuda", torch.cuda.current_device()))
     shape = bench.SHAPES["qwen3-30b-a3b"]
     hidden, inter = bench.supported_dims(shape, "w4a16", "cuda")
     record = table.measure_draw(shape, 8, 0, (hidden, inter), rounds=3, flush=flush)

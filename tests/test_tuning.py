@@ -455,12 +455,16 @@ def test_profile_evicts_before_every_timed_sample_but_not_the_warm_ups():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_default_flush_overwrites_twice_the_l2(monkeypatch):
+def test_the_default_flush_reads_twice_the_l2_and_writes_nothing(monkeypatch):
     from moe_ext import tuning
 
     device = torch.device("cuda", torch.cuda.current_device())
     flush = tuning.l2_flush(device)
-    assert flush.__self__.numel() == 2 * torch.cuda.get_device_properties(device).L2_cache_size
+    clean = flush.args[0]
+    assert clean.numel() * 4 == 2 * tuning.l2_bytes(device) == 2 * torch.cuda.get_device_properties(
+        device).L2_cache_size
+    flush()
+    assert clean.count_nonzero() == 0
     flushes = []
     monkeypatch.setattr(tuning, "l2_flush", lambda d: lambda: flushes.append(d))
     tuning.profile(lambda tactic: None, [(1,)], device, warmup=1, repeats=2, use_cuda_graph=False, max_repeats=2)
