@@ -476,7 +476,7 @@ def compile_decode(kind: str, options: str, gemms: tuple = (True, True), split_g
     u8 = cutlass.Uint8
     return cute.compile(
         make_kernel(kind, gemms, split_gemm2, timeline, fc2_by_gemm1), vector(BFloat16, 16), vector(Int32),
-        vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32),
-        vector(BFloat16, 16), vector(Float32, 16), vector(Int32), Int32(128), Int32(128), Int32(256), Int32(1),
-        Int32(1), Int32(0), Float32(0), Float32(0), Float32(0), Float32(0), Int32(1), cutlass.Boolean(True),
-        cuda.CUstream(0), options=options)
+        vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32), vector(u8, 16), vector(u8, 16),
+        vector(Float32), vector(BFloat16, 16), vector(Float32, 16), vector(Int32), Int32(128), Int32(128),
+        Int32(256), Int32(1), Int32(1), Int32(0), Float32(0), Float32(0), Float32(0), Float32(0), Int32(1),
+        cutlass.Boolean(True), cuda.CUstream(0), options=options)
