@@ -8,10 +8,11 @@ step once its first stages are in.
     # there: a complete build with .kernels_phase/timeline/* over it installed, then
     python3 benchmarks/decode_timeline.py --points qwen3-30b-a3b:1,deepseek-v3-ep8:1 --out $OUT/timeline.json
 
-Each forward is eager, after a write of twice the L2 (weights cold, as the benchmark's rotation makes them), with
-the benchmark's own layers and routing (moe_ext.bench). Clock counts become ns at the SM clock read after the
-run (nvidia-smi); CTAs are lined up by the GPU's global timer, whose resolution may be coarser than the clocks, so
-the per-CTA durations are exact and the offsets between CTAs approximate. The build's extra stores cost a little
+Each forward is eager, after a read of twice the L2 (weights cold, as the benchmark's rotation makes them; a read
+leaves no dirty lines to write back: tuning.l2_flush), with the benchmark's own layers and routing (moe_ext.bench).
+Clock counts become ns at the SM clock read after the run (nvidia-smi); CTAs are lined up by the GPU's global
+timer, whose resolution may be coarser than the clocks, so the per-CTA durations are exact and the offsets between
+CTAs approximate. The build's extra stores cost a little
 (a few local-memory spills outside the mainloop): compare its whole-forward time with the shipped kernel's.
 """
 import argparse
@@ -82,11 +83,12 @@ def forward_summary(ctas: list) -> dict:
                           and c[f"{phase}_steps"] > 2)
         if per_step:
             out[f"{phase}_per_step"] = dict(median=statistics.median(per_step), longest=per_step[-1])
-    # The barrier: its last arrival (the latest GEMM1 end) against its first and last release.
+    # GEMM2's waits: the latest GEMM1 end against the first wait to pass (before it where a tile's GEMM2 items go on
+    # while other tiles' GEMM1 items run).
     arrive = [c["start_ns"] - first + c["gemm1_end"] for c in ctas if c["gemm1_end"] is not None]
     leave = [c["start_ns"] - first + c["barrier_passed"] for c in ctas if c["barrier_passed"] is not None]
     if arrive and leave:
-        out["barrier_open_ns"] = min(leave) - max(arrive)
+        out["gemm2_wait_ns"] = min(leave) - max(arrive)
     # SMs whose two CTAs both had GEMM1 work: they run their items at half the issue rate each.
     busy = {}
     for c in ctas:
@@ -120,8 +122,8 @@ def format_summary(name: str, s: dict) -> str:
     for key, v in s.items():
         if isinstance(v, dict) and "longest" in v:
             lines.append(f"    {key:22s} median {v['median'] / 1e3:7.2f} us  longest {v['longest'] / 1e3:7.2f} us")
-    if "barrier_open_ns" in s:
-        lines.append(f"    barrier opens {s['barrier_open_ns'] / 1e3:.2f} us after its last arrival")
+    if "gemm2_wait_ns" in s:
+        lines.append(f"    first GEMM2 wait passed {s['gemm2_wait_ns'] / 1e3:.2f} us after the last GEMM1 item's end")
     return "\n".join(lines)
 
 
@@ -131,7 +133,8 @@ def run_point(shape, num_tokens: int, reps: int, min_local_pairs: int, tactic: t
 
     import moe_ext
     from moe_ext import launcher
-    from moe_ext.bench import Point, gpu_state, l2_bytes, moe_ext_inputs, random_moe_ext_weights, supported_dims
+    from moe_ext.bench import Point, gpu_state, moe_ext_inputs, random_moe_ext_weights, supported_dims
+    from moe_ext.tuning import l2_flush
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from profile_kernels import routing_with_local_pairs
@@ -152,13 +155,13 @@ def run_point(shape, num_tokens: int, reps: int, min_local_pairs: int, tactic: t
     first = launcher.decode_barrier_words(pairs, point.n1, hidden)
     buffers = wrapper.workspace.kernel_buffers
     buffers.grid_barrier = torch.zeros(first + ctas * TIMELINE_WORDS, dtype=torch.int32, device=device)
-    flush = torch.empty(2 * l2_bytes(device), dtype=torch.uint8, device=device)
+    flush = l2_flush(device)
     for _ in range(3):
         wrapper.run(**inputs, tactic=tactic)
     forwards = []
     for _ in range(reps):
         buffers.grid_barrier[first:].zero_()
-        flush.fill_(1)
+        flush()
         wrapper.run(**inputs, tactic=tactic)
         torch.cuda.synchronize()
         words = buffers.grid_barrier[first:].view(ctas, TIMELINE_WORDS).cpu().to(torch.int64) % 2**32

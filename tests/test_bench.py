@@ -657,13 +657,13 @@ def test_decode_timeline_lines_up_ctas_and_times_each_piece_of_an_item():
     assert summary["gemm1_mainloop"] == dict(median=2_800, longest=3_800)
     assert summary["gemm1_epilogue"] == dict(median=500, longest=500)
     assert summary["gemm1_per_step"] == dict(median=1_800 / 6, longest=2_800 / 6)  # after the first 2 of 8 steps
-    assert summary["barrier_open_ns"] == 5_900 - 5_500  # the first release after the last arrival
+    assert summary["gemm2_wait_ns"] == 5_900 - 5_500  # the first wait passed after the last GEMM1 item
     assert summary["sms_with_two_gemm1_ctas"] == 1
     twice = dt.summarize([summary, dict(summary, span_ns=9_400)])
     assert twice["span_ns"] == 9_300 and twice["forwards"] == 2
     assert twice["at_gemm1_landed"] == dict(median=2_200, last=2_400, ctas=3)
     assert twice["gemm2_mainloop"] == dict(median=1_900, longest=1_900)
-    assert "barrier opens 0.40 us" in dt.format_summary("x", twice)
+    assert "first GEMM2 wait passed 0.40 us" in dt.format_summary("x", twice)
 
 
 def test_decode_timeline_reads_the_words_the_kernel_writes():
