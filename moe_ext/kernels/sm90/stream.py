@@ -447,6 +447,20 @@ class LoadsFirst(NamedTuple):
     load: object
 
 
+class FirstCopies(NamedTuple):
+    """issue_first_copies' arguments: stage_first_chunk issues them around its token loads and stores."""
+
+    sm: object
+    tid: object
+    src: object
+    first: object
+    steps: object
+    num_stages: object
+    block: int
+    cfg: StreamConfig
+    trace: object
+
+
 def chunk_tasks(tokens: int, c: StreamConfig, live: int) -> int:
     """8-value chunks each thread stages per K-chunk of the first `live` token rows."""
     return live * k_chunk(tokens, c) // 8 // c.threads
@@ -641,7 +655,7 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
             cute.arch.mbarrier_init(sm.empty + s, cfg.warps * cfg.k_slices)
         cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
-    copies = (sm, tid, src, first, steps, num_stages, block, cfg, trace)
+    copies = FirstCopies(sm, tid, src, first, steps, num_stages, block, cfg, trace)
     if cutlass.const_expr(isinstance(load_group, LoadsFirst)):
         # The first group of stages, then the rest once the tokens are stored: the whole grid's first groups go
         # ahead of its later stages in the memory queues, so they land sooner.
@@ -703,13 +717,13 @@ def issue_first_copies(sm, tid, src, first, steps, num_stages, block: cutlass.Co
 
 
 @cute.jit
-def stage_first_chunk(copies: tuple, k_end, tokens: cutlass.Constexpr, load, live: cutlass.Constexpr,
+def stage_first_chunk(copies: FirstCopies, k_end, tokens: cutlass.Constexpr, load, live: cutlass.Constexpr,
                       held_back: cutlass.Constexpr):
     """The run's first token chunk with its loads issued ahead of its first weight copies (issue_first_copies'
     arguments `copies`), stored after them: loads issued after the copies queue behind the whole grid's first
     boxes (3.5-5 us an item at T=1, 0.7-1.8 ahead of them). Copies from stage `held_back` on wait until the tokens
     are stored (session 40, H100: 0.4-0.7 us faster at the fc2_by_gemm1 forms' points)."""
-    sm, tid, first, cfg, trace = copies[0], copies[1], copies[3], copies[7], copies[8]
+    sm, tid, first, cfg, trace = copies.sm, copies.tid, copies.first, copies.cfg, copies.trace
     loaded = load_chunk(tid, first, 0, k_end, tokens, cfg, load, live)
     issue_first_copies(*copies, 0, held_back)
     store_loaded(sm, loaded, tokens, cfg)
