@@ -12,8 +12,8 @@ Each forward is eager, after a read of twice the L2 (weights cold, as the benchm
 leaves no dirty lines to write back: tuning.l2_flush), with the benchmark's own layers and routing (moe_ext.bench).
 Clock counts become ns at the SM clock read after the run (nvidia-smi); CTAs are lined up by the GPU's global
 timer, whose resolution may be coarser than the clocks, so the per-CTA durations are exact and the offsets between
-CTAs approximate. The build's extra stores cost a little
-(a few local-memory spills outside the mainloop): compare its whole-forward time with the shipped kernel's.
+CTAs approximate. The build's extra stores cost a little (a few local-memory spills outside the mainloop): compare
+its whole-forward time with the shipped kernel's.
 """
 import argparse
 import json
