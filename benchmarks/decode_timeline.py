@@ -152,19 +152,19 @@ def run_point(shape, num_tokens: int, reps: int, min_local_pairs: int, tactic: t
                                         **shape.wrapper_kwargs())
     pairs = num_tokens * shape.top_k
     ctas = launcher.DECODE_CTAS_PER_SM * launcher.num_sms(device)
-    first = launcher.decode_barrier_words(pairs, point.n1, hidden)
+    first = launcher.decode_count_words(pairs, point.n1, hidden)
     buffers = wrapper.workspace.kernel_buffers
-    buffers.grid_barrier = torch.zeros(first + ctas * TIMELINE_WORDS, dtype=torch.int32, device=device)
+    buffers.decode_counts = torch.zeros(first + ctas * TIMELINE_WORDS, dtype=torch.int32, device=device)
     flush = l2_flush(device)
     for _ in range(3):
         wrapper.run(**inputs, tactic=tactic)
     forwards = []
     for _ in range(reps):
-        buffers.grid_barrier[first:].zero_()
+        buffers.decode_counts[first:].zero_()
         flush()
         wrapper.run(**inputs, tactic=tactic)
         torch.cuda.synchronize()
-        words = buffers.grid_barrier[first:].view(ctas, TIMELINE_WORDS).cpu().to(torch.int64) % 2**32
+        words = buffers.decode_counts[first:].view(ctas, TIMELINE_WORDS).cpu().to(torch.int64) % 2**32
         if not words[:, SLOTS["start"]].all():
             raise RuntimeError("no timeline words written: the installed decode kernel is not the timeline build "
                                "(benchmarks/decode_phase_variants.py --variants timeline), or the forward did not "

@@ -537,7 +537,7 @@ class KernelBuffers:
     decode_partials: torch.Tensor  # FUSED_DECODE's K ranges' partial tiles (fp32): GEMM1's, then GEMM2's
     # FUSED_DECODE's grid-barrier word, then a GEMM2 arrival count a (row tile, hidden tile) item from element 4:
     # zeroed once, left consistent by every launch
-    grid_barrier: torch.Tensor
+    decode_counts: torch.Tensor
 
     @staticmethod
     def sizes(quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int,
@@ -551,15 +551,15 @@ class KernelBuffers:
             slot_output=tokens * top_k * hidden,
             decode_partials=decode_partial_floats(min(tokens * top_k, DECODE_MAX_PAIRS), 2 * inter, hidden)
             if quant_mode == "w4a16" else 0,
-            grid_barrier=decode_barrier_words(min(tokens * top_k, DECODE_MAX_PAIRS), 2 * inter, hidden),
+            decode_counts=decode_count_words(min(tokens * top_k, DECODE_MAX_PAIRS), 2 * inter, hidden),
         )
 
     @classmethod
     def allocate(cls, quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int,
                  device, wgmma: bool = True) -> "KernelBuffers":
         dtypes = dict(x_decoded=torch.bfloat16, intermediate_bf16=torch.bfloat16, row_scale=torch.float32,
-                      slot_output=torch.bfloat16, decode_partials=torch.float32, grid_barrier=torch.int32)
-        return cls(**{name: (torch.zeros if name == "grid_barrier" else torch.empty)(max(n, 1), dtype=dtypes[name],
+                      slot_output=torch.bfloat16, decode_partials=torch.float32, decode_counts=torch.int32)
+        return cls(**{name: (torch.zeros if name == "decode_counts" else torch.empty)(max(n, 1), dtype=dtypes[name],
                                                                                      device=device)
                       for name, n in cls.sizes(quant_mode, rows, inter, tokens, top_k, hidden, wgmma).items()})
 
@@ -588,11 +588,12 @@ def decode_partial_floats(pairs: int, n1: int, hidden: int) -> int:
     return DECODE_SPLITS * pairs * (n1 + hidden) + pairs * n1 // 2
 
 
-def decode_barrier_words(pairs: int, n1: int, hidden: int) -> int:
-    """FUSED_DECODE's u32 words: the grid barrier's (4), then an arrival count a GEMM1 item (row tile, 128 weight
-    rows) or, past the grid barrier, a GEMM2 item (row tile, 128 hidden rows) of the split form; at most `pairs`
-    row tiles."""
-    return 4 + pairs * -(-max(n1, hidden) // 128)
+def decode_count_words(pairs: int, n1: int, hidden: int) -> int:
+    """FUSED_DECODE's u32 counts (decode_fused.READINESS_WORD and what follows it): the zeroing's (4 words), one a
+    row tile of any launch (DECODE_MAX_PAIRS: each flips once a launch, so a buffer shared by launches of other
+    sizes keeps them in step), then an arrival count a GEMM1 item (row tile, 128 weight rows) and one a GEMM2 item
+    (row tile, 128 hidden rows) of the split form; at most `pairs` row tiles."""
+    return 4 + DECODE_MAX_PAIRS + pairs * (-(-n1 // 128) + -(-hidden // 128))
 
 
 def decode_splits(ctas: int, items: int, steps: int, min_steps: int) -> int:
@@ -688,7 +689,7 @@ def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pd
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
     w = problem.weights
     partials = decode_partial_floats(T * K, n1, H)
-    arrivals = decode_barrier_words(T * K, n1, H)
+    arrivals = decode_count_words(T * K, n1, H)
     launch(decode_kernel_for(problem), [
         _check("x", problem.x, bf16, device, T * H, 16),
         _check("token_selected_experts", problem.token_selected_experts, i32, device, T * K),
@@ -701,7 +702,7 @@ def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pd
         _check("w2_alpha", problem.w2_alpha, f32, device, E),
         _check("moe_output", out, bf16, device, T * H, 16),
         _check("decode_partials", buffers.decode_partials[:partials], f32, device, partials, 16),
-        _check("grid_barrier", buffers.grid_barrier[:arrivals], i32, device, arrivals),
+        _check("decode_counts", buffers.decode_counts[:arrivals], i32, device, arrivals),
     ], [H, I, n1, K, E, problem.local_expert_offset, *activation_params(problem.activation),
         DECODE_CTAS_PER_SM * num_sms(device)], enable_pdl, device)
     return out

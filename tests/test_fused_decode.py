@@ -1,7 +1,7 @@
 """The one-launch small-T forward (launcher.FUSED_DECODE, moe_ext/kernels/sm90/decode_fused.py) against the reference:
 its in-kernel routing (experts hit by several tokens, by one token twice, by more rows than one 8-row tile, ids
 outside the local range), its GEMM1 K ranges (odd step counts, fewer steps than ranges), the GEMM2 K ranges of
-its split form, the grid barrier across many launches and CUDA-graph replays. Skipped without an H100/H200 or
+its split form, the counts GEMM2 waits on across many launches and CUDA-graph replays. Skipped without an H100/H200 or
 without the kernels linked."""
 
 import dataclasses
@@ -19,6 +19,8 @@ from moe_ext.problem import build_problem
 pytestmark = [pytest.mark.gpu, gpu, hopper_kernels]
 
 FUSED = (launcher.DECODE_TILE, launcher.FUSED_DECODE, launcher.FUSED_DECODE)
+RUN_ARGS = ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_weight", "w1_weight_sf", "w1_alpha",
+            "fc2_input_scale", "w2_weight", "w2_weight_sf", "w2_alpha")  # CuteDslMoEWrapper.run's inputs
 
 
 @pytest.fixture(autouse=True, params=["fc2_by_gemm2", "fc2_by_gemm1"])
@@ -88,20 +90,34 @@ def test_fused_decode_is_the_kernel_chain_bit_for_bit():
     assert torch.equal(fused, chain), rel_l2(fused, chain)
 
 
-def test_fused_decode_grid_barrier_survives_many_launches():
-    """The barrier word is never reset: 300 launches in a row must each finish, none passing the barrier early
-    (which would add GEMM2 rows from half-written partials). One expert a token: every launch is bitwise the same."""
+def test_fused_decode_counts_survive_many_launches():
+    """The counts GEMM2's items wait on are never reset: 300 launches in a row must each finish, none passing a
+    count early (which would add GEMM2 rows from half-written partials). One expert a token: every launch is
+    bitwise the same."""
     case = make_case("w4a16", "swiglu", num_tokens=64, top_k=1, num_experts=32, hidden=512, inter=256,
                      seed=9).to("cuda")
     kw = case.kwargs(use_fused_finalize=True)
     wrapper = moe_ext.CuteDslMoEWrapper(case.num_experts, 1, 512, 256, max_num_tokens=64, quant_mode="w4a16",
                                         device="cuda", use_fused_finalize=True)
-    args = {k: kw[k] for k in ("x", "x_sf", "token_selected_experts", "token_final_scales", "w1_weight",
-                               "w1_weight_sf", "w1_alpha", "fc2_input_scale", "w2_weight", "w2_weight_sf",
-                               "w2_alpha")}
+    args = {k: kw[k] for k in RUN_ARGS}
     first = wrapper.run(**args, tactic=FUSED).clone()
     outs = torch.stack([wrapper.run(**args, tactic=FUSED).clone() for _ in range(300)])
     assert all(torch.equal(o, first) for o in outs)
+
+
+def test_fused_decode_counts_stay_in_step_across_launches_of_other_sizes():
+    """Each launch flips the readiness count of every row tile a launch could have, those its routing did not make
+    included, so one wrapper's buffer serves forwards of 1-8 tokens (1-16 row tiles) in any order: each must match
+    its reference (a count out of step would let GEMM2 read a tile before GEMM1 wrote it, or wait forever)."""
+    wrapper = moe_ext.CuteDslMoEWrapper(16, 8, 1024, 256, max_num_tokens=8, quant_mode="w4a16", device="cuda",
+                                        use_fused_finalize=True)
+    for step, tokens in enumerate([1, 8, 3, 8, 1, 1, 5, 8, 2, 8] * 3):
+        case = make_case("w4a16", "swiglu", num_tokens=tokens, top_k=8, num_experts=16, hidden=1024, inter=256,
+                         seed=step).to("cuda")
+        kw = case.kwargs(use_fused_finalize=True)
+        expected, gate = reference_and_gate(build_problem(**kw), TOLERANCE["w4a16"])
+        out = wrapper.run(**{k: kw[k] for k in RUN_ARGS}, tactic=FUSED)
+        assert rel_l2(out, expected) <= gate, (step, tokens, rel_l2(out, expected), gate)
 
 
 @pytest.fixture

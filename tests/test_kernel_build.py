@@ -379,12 +379,14 @@ def test_fused_decode_kernels_fit_the_instruction_cache_and_do_not_spill(built_k
     for kind in ("swiglu", "situ", "geglu_tanh", "relu2"):
         listing = kernel_sass.sass(str(built_kernels / f"moe_decode_w4a16_{kind}{form}.o"))
         counts = kernel_sass.opcode_counts(listing)
-        spills = 16 if form == "_split2" else 0
+        spills = 20 if form == "_split2" else 0
         assert counts["LDL"] + counts["STL"] <= spills, (kind, counts["LDL"] + counts["STL"])
         assert sum(counts.values()) < 6000, (kind, sum(counts.values()))
-        # the grid barrier's atomic and its gpu-scope fences; the K ranges' arrival counts
-        assert counts["ATOM"] >= (2 if "split2" in form or "fc2" in form else 1) and counts["CCTL"] >= 1, kind
         lines = listing.splitlines()
+        # the flip counts (the zeroing's, unmade tiles', GEMM1 items') and their gpu-scope fences; the K ranges'
+        # arrival counts (atomics: the last to arrive sums)
+        assert sum("REDG.E.ADD.STRONG.GPU" in line for line in lines) >= 3 and counts["MEMBAR"] >= 3, kind
+        assert counts["ATOM"] >= ("split2" in form) + ("fc2" in form), kind
         first_load = next(i for i, line in enumerate(lines) if "LDG.E.128" in line)
         first_store = next(i for i in range(first_load, len(lines)) if "STS" in lines[i])
         assert sum("LDG.E.128" in line for line in lines[first_load:first_store]) >= 4, kind

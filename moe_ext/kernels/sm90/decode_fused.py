@@ -7,15 +7,18 @@ gaps and GEMM1 on only 96-192 CTAs. Here one cooperative grid, two CTAs an SM, d
   1. every CTA routes the T * top_k pairs itself, in shared memory (no routing launch, no maps in global memory):
      rows sorted by (local expert, pair), 8-row tiles of one expert each, and zeroes its share of the output;
   2. GEMM1: work items (row tile, 128 weight rows, K range) spread over the grid, the K ranges sized so the items
-     fill it (`splits`); each range leaves its fp32 partial tile in `partials`;
-  3. a grid-wide barrier;
-  4. GEMM2: items (row tile, 128 hidden rows); their token staging sums GEMM1's partials in rank order (as the
-     cluster split-K of gemm1.py does), applies alpha and the activation and rounds to bf16 - the FC2 input
-     gemm1.py would have stored - and the epilogue reduce-adds the router-weighted rows into the output
-     (gemm2.py's fused finalize: one bf16 value a pair). In the kernel's split_gemm2 form, for the few GEMM2
-     items of a long K (DeepSeek-V3's EP8 shard: 56 items of 16 steps at T=1), items also take K ranges, sized as
-     GEMM1's but of GEMM2_MIN_STEPS at least: each range leaves its fp32 tile in the workspace and the range that
-     arrives last sums them in rank order before that epilogue.
+     fill it (`splits`); each range leaves its fp32 partial tile in `partials`, then counts itself in on its row
+     tile's readiness word;
+  3. GEMM2: items (row tile, 128 hidden rows), each waiting for its own row tile's readiness word and for every
+     CTA's zeroing (a count of its own), not for the whole grid: a tile whose GEMM1 items are done goes on while
+     others finish (a grid-wide barrier opened ~1.3 µs after its last arrival, session 38's timeline). They are
+     handed out from the last CTA down, so the CTAs GEMM1's uneven stride left with fewer items take them. Their token
+     staging sums GEMM1's partials in rank order (as the cluster split-K of gemm1.py does), applies alpha and the
+     activation and rounds to bf16 - the FC2 input gemm1.py would have stored - and the epilogue reduce-adds the
+     router-weighted rows into the output (gemm2.py's fused finalize: one bf16 value a pair). In the kernel's
+     split_gemm2 form, for the few GEMM2 items of a long K (DeepSeek-V3's EP8 shard: 56 items of 16 steps at T=1),
+     items also take K ranges, sized as GEMM1's but of GEMM2_MIN_STEPS at least: each range leaves its fp32 tile
+     in the workspace and the range that arrives last sums them in rank order before that epilogue.
 
 In the fc2_by_gemm1 forms GEMM1's ranges meet that way instead (gemm1_epilogue): the last to arrive sums them,
 applies the activation and stores the bf16 FC2 input once, which GEMM2 then stages as GEMM1 stages x; both stage
@@ -53,17 +56,24 @@ GEMM2_MIN_STEPS = 4
 CONFIG = replace(streaming.config_for(TOKENS, 1), token_elems=TOKENS * 2048)
 BLOCK = 16  # NVFP4 weight scales
 # The timeline build (make_kernel's `timeline`): thread 0 of each CTA writes TIMELINE_WORDS u32 words at
-# TIMELINE[...] past the barrier buffer's words (launcher.decode_barrier_words), CTA after CTA; the caller allocates
+# TIMELINE[...] past the count buffer's words (launcher.decode_count_words), CTA after CTA; the caller allocates
 # them (benchmarks/decode_timeline.py). Clocks are the SM's cycle counter; the *_ns words the GPU's global timer.
 # A phase's words start at 8 (GEMM1) and 16 (GEMM2): its first item's start, first token staging done, first
 # stages landed, first item's mainloop done (accumulators in shared memory), last item's mainloop done, the
 # phase's end (items and their epilogues done), the phase's item count, the K steps of an item (its range). Words
-# 27-30: each phase's first weight copies issued and first token loads in (thread 0's).
+# 27-30: each phase's first weight copies issued and first token loads in (thread 0's); word 7 (barrier_passed):
+# its first GEMM2 item's wait for its tile and the zeroing over.
 TIMELINE_WORDS = 32
 TIMELINE = dict(start_ns_lo=0, start_ns_hi=1, sm=2, start=3, waited=4, routed=5, zeroed=6, barrier_passed=7,
                 end=24, end_ns_lo=25, end_ns_hi=26, gemm1_issued=27, gemm1_loaded=28, gemm2_issued=29,
                 gemm2_loaded=30)
 TIMELINE_PHASE = ("item", "staged", "landed", "first_done", "last_done", "end", "items", "steps")
+# The count buffer's u32 words (launcher.decode_count_words): word 0 the zeroing's (every CTA counts in), from
+# READINESS_WORD one a row tile (its GEMM1 items count in), then an arrival count a GEMM1 item (row tile, weight
+# tile: the fc2 forms' range meeting) and one a GEMM2 item (the split form's). The first two are flip counts
+# (ptx.flip_count): each of their 1 + MAX_PAIRS words flips once a launch - a tile the routing did not make by
+# CTA 0 - so every word's top bit before a launch is word 0's, which each CTA reads before it counts in.
+READINESS_WORD = 4
 
 
 class RoutePlan(NamedTuple):
@@ -75,9 +85,10 @@ class RoutePlan(NamedTuple):
     tile_expert: cute.Tensor  # local expert of 8-row tile t
     tile_row0: cute.Tensor  # its first row
     tile_limit: cute.Tensor  # one past its last row
-    # The split_gemm2 form's scalars, read back where used rather than held in registers across loops (at the
-    # 128-register cap they spilled to local memory): [0] whether this CTA's GEMM2 K range arrived last at its
-    # item (ptx.arrive_last), [1] the item's arrival count, [2] GEMM2's K ranges at most (GEMM2_MIN_STEPS each).
+    # Scalars read back where used rather than held in registers across loops (at the 128-register cap they
+    # spilled to local memory): [0] whether this CTA's K range arrived last at its item (ptx.arrive_last), [1] the
+    # split_gemm2 form's GEMM2 item arrival count, [2] its GEMM2 K ranges at most (GEMM2_MIN_STEPS each), [3] the
+    # flip counts' word 0 before this launch's flips.
     arrival: cute.Tensor
 
 
@@ -153,6 +164,18 @@ def splits(ctas, items, steps, min_steps):
     return cute.math.max(Int32(1), cute.math.min(cute.math.min(s, Int32(MAX_SPLITS)), steps // min_steps))
 
 
+def readiness_word(barrier: cute.Tensor, t) -> Int64:
+    """Address of row tile t's readiness count: its GEMM1 items' flip count."""
+    return barrier.iterator.toint() + Int64(READINESS_WORD + t) * 4
+
+
+def arrival_word(barrier: cute.Tensor, index) -> Int64:
+    """Address of arrival count `index`: a GEMM1 item's (row tile, weight tile) at t * n1 // 128 + n_tile, a split
+    GEMM2 item's at pairs * n1 // 128 + t * hidden // 128 + n_tile (kept apart: a tile's GEMM2 items may meet
+    while another tile's GEMM1 ranges still do)."""
+    return barrier.iterator.toint() + Int64(READINESS_WORD + MAX_PAIRS + index) * 4
+
+
 def gemm2_partial(partials: cute.Tensor, pairs, n1, hidden, rank, row, col) -> Int64:
     """Address of GEMM2 K range `rank`'s fp32 partial at (sorted row, hidden column), after GEMM1's MAX_SPLITS
     ranges of n1 columns. Made at each use from the kernel's parameters: kept live across the item loop, the
@@ -204,9 +227,8 @@ def gemm1_epilogue(sm, plan: RoutePlan, tid, partials: cute.Tensor, barrier: cut
             ptx.write_words(gemm1_partial(partials, pairs, n1, rank, row0 + a_row, col),
                             [sm.out[a_row, c0 + i].bitcast(Int32) for i in range(out_cols)])
         cute.arch.sync_threads()
-        if tid == 0:  # a u32 a GEMM1 item (row tile, weight tile); GEMM2's split form reuses them past the barrier
-            plan.arrival[0] = ptx.arrive_last(barrier.iterator.toint() + Int64(4 + t * (n1 // cfg.rows) + n_tile) * 4,
-                                              ranges)
+        if tid == 0:
+            plan.arrival[0] = ptx.arrive_last(arrival_word(barrier, t * (n1 // cfg.rows) + n_tile), ranges)
         cute.arch.sync_threads()
         last = plan.arrival[0]
         if last == 1 and live:  # every range's load in flight at once (the clamped ones repeat the last)
@@ -241,7 +263,7 @@ def gemm1_epilogue(sm, plan: RoutePlan, tid, partials: cute.Tensor, barrier: cut
 def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = False, timeline: bool = False,
                 fc2_by_gemm1: bool = False):
     """gemms: which GEMM phases run their items (a timing variant without one of them times the rest of the
-    kernel: benchmarks/decode_phase_variants.py); the routing, the zeroing and the grid barrier always run.
+    kernel: benchmarks/decode_phase_variants.py); the routing, the zeroing and the counts always run.
     split_gemm2: GEMM2 items split K too (GEMM2_MIN_STEPS). A separate build: the arrival and the sum of the
     ranges cost the unsplit kernel 1-3% where it does not split (h200_session36_checks.md).
     timeline: a measurement build that also writes each CTA's TIMELINE words (same signature and results).
@@ -272,14 +294,19 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
         x_address = x_bf16.iterator.toint()
         out_address = out.iterator.toint()
         # Before the wait (the descriptors do not depend on the previous kernel): a descriptor's first fetch would
-        # otherwise sit between the routing and GEMM1's first copies, and between the grid barrier and GEMM2's.
+        # otherwise sit between the routing and GEMM1's first copies, and between GEMM2's wait and its copies.
         if tid == 0:
             ptx.prefetch_tensormap(w1_map.get_ptr().toint())
             ptx.prefetch_tensormap(w2_map.get_ptr().toint())
         cute.arch.griddepcontrol_wait()
+        # One thread counts the CTA in: a consumer warp's, whose fences stall it and not warp 0's weight copies. It
+        # also reads word 0 before its own count, when the word cannot have flipped yet.
+        counter = threads - 32
+        before = Int32(0)
+        if tid == counter:
+            before = ptx.ld_relaxed_gpu(barrier.iterator.toint())
         pairs = cute.size(token_selected_experts)
-        timeline0 = barrier.iterator.toint() + Int64(
-            4 + pairs * (cute.math.max(n1, hidden) // cfg.rows) + cta * TIMELINE_WORDS) * 4
+        timeline0 = arrival_word(barrier, pairs * (n1 // cfg.rows + hidden // cfg.rows) + cta * TIMELINE_WORDS)
         if cutlass.const_expr(timeline):
             for name, value in (("start", start_clock), ("start_ns_lo", start_ns[0]), ("start_ns_hi", start_ns[1]),
                                 ("sm", ptx.sm_id())):
@@ -289,14 +316,21 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
             if tid == 0:
                 plan.arrival[2] = inter // cfg.k_step // GEMM2_MIN_STEPS
         tiles = route_pairs(plan, tid, token_selected_experts, pairs, num_experts, expert_offset)
+        if tid == counter:
+            plan.arrival[3] = before
         mark(timeline, tid, timeline0, TIMELINE["routed"])
         s1 = splits(ctas, tiles * (n1 // cfg.rows), hidden // cfg.k_step, 2)
         a_row = tid // (threads // TOKENS)  # the epilogues' accumulator row and first column
         c0 = (tid % (threads // TOKENS)) * out_cols
 
-        # The fused finalize adds into the output: zero it before the grid barrier below.
+        # The fused finalize adds into the output: zero it, and count in (GEMM2's items wait for every CTA's).
         for i in cutlass.range(cta * threads + tid, cute.size(out) // 8, ctas * threads):
             ptx.st_global_v4(out_address + Int64(i) * 16, Int32(0), Int32(0), Int32(0), Int32(0))
+        cute.arch.sync_threads()
+        if tid == counter:
+            ptx.flip_count(barrier.iterator.toint(), cta == 0, ctas)
+        if cta == 0 and tid >= (tiles if gemms[0] else 0) and tid < MAX_PAIRS:  # tiles without GEMM1 items
+            ptx.flip_count(readiness_word(barrier, tid), True, 1)
         mark(timeline, tid, timeline0, TIMELINE["zeroed"])
 
         # Phase 0, GEMM1: (tile, weight-row tile, K range) items -> fp32 partial tiles at
@@ -304,12 +338,6 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
         # FC2 input from the partials, their epilogue adds into the output. One loop, so one copy of the mainloop.
         for phase in cutlass.range(2):
             gemm2 = phase == 1
-            if gemm2:
-                cute.arch.sync_threads()
-                if tid == 0:
-                    ptx.grid_barrier(barrier.iterator.toint(), cta == 0, ctas)
-                cute.arch.sync_threads()
-                mark(timeline, tid, timeline0, TIMELINE["barrier_passed"])
             phase_words = 8 + 8 * phase  # this phase's TIMELINE_PHASE words
             rows_per_expert = Int32(cutlass.select_(gemm2, hidden, n1))
             k_extent = Int32(cutlass.select_(gemm2, inter, hidden))
@@ -325,7 +353,10 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
             items = tiles * per_tile
             if cutlass.const_expr(gemms != (True, True)):
                 items = items * Int32(cutlass.select_(gemm2, Int32(int(gemms[1])), Int32(int(gemms[0]))))
-            for item in cutlass.range(cta, items, ctas):
+            # GEMM2's items from the last CTA down: where GEMM1's items leave the grid uneven (its stride gives the
+            # first CTAs one more), GEMM2's extra items go to the CTAs with fewer, which reach them first.
+            first_item = Int32(cutlass.select_(gemm2, ctas - 1 - cta, cta))
+            for item in cutlass.range(first_item, items, ctas):
                 t = item // per_tile
                 rest = item - t * per_tile
                 n_tile = rest // ranges
@@ -334,6 +365,12 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                 row0 = plan.tile_row0[t]
                 limit = plan.tile_limit[t]
                 alpha = w1_alpha[expert]
+                if gemm2:  # the tile's FC2 input (its GEMM1 items' counts) and a zeroed output (every CTA's)
+                    if tid == 0:
+                        ptx.flip_wait(barrier.iterator.toint(), readiness_word(barrier, t), plan.arrival[3])
+                    cute.arch.sync_threads()
+                    if item == first_item:
+                        mark(timeline, tid, timeline0, TIMELINE["barrier_passed"])
 
                 def load_x(r, kk, k_end):
                     """GEMM1's 8 values at K = kk of row row0 + r: x of its token."""
@@ -382,21 +419,21 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                 def trace(thread, event):
                     """The first item's first staging (event 0), first landed stages (1), first copies issued (2)
                     and first token loads in (3)."""
-                    if item == cta:
+                    if item == first_item:
                         mark(timeline, thread, timeline0, phase_words + 1 + event if event < 2 else
                              TIMELINE["gemm1_" + ("issued", "loaded")[event - 2]] + 2 * phase)
 
                 if cutlass.const_expr(split_gemm2):
                     if tid == 0:  # only thread 0 arrives (below)
                         plan.arrival[1] = t * (hidden // cfg.rows) + n_tile
-                if item == cta:
+                if item == first_item:
                     mark(timeline, tid, timeline0, phase_words)
                 streaming.accumulate(sm, tid, w_sf, w_map, expert, n_tile * cfg.rows, rows_per_expert, k_extent,
                                      rank, ranges, limit - row0, TOKENS, cfg, BLOCK,
                                      streaming.LoadsFirst(load_tokens) if fc2_by_gemm1 else
                                      streaming.TokenLoads(load_x, load_fc2_input, phase == 0), cluster_reduce=False,
                                      trace=trace if cutlass.const_expr(timeline) else None)
-                if item == cta:
+                if item == first_item:
                     mark(timeline, tid, timeline0, phase_words + 3)
                 mark(timeline, tid, timeline0, phase_words + 4)
                 last = Int32(1)  # whether this item's epilogue runs: split GEMM2 K ranges meet in the last
@@ -408,9 +445,9 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                                                           n_tile * cfg.rows + c0),
                                             [sm.out[a_row, c0 + i].bitcast(Int32) for i in range(out_cols)])
                         cute.arch.sync_threads()
-                        if tid == 0:  # a u32 a GEMM2 item (row tile, hidden tile) after the grid barrier's word
+                        if tid == 0:
                             plan.arrival[0] = ptx.arrive_last(
-                                barrier.iterator.toint() + Int64(4 + plan.arrival[1]) * 4, ranges)
+                                arrival_word(barrier, pairs * (n1 // cfg.rows) + plan.arrival[1]), ranges)
                         cute.arch.sync_threads()
                         last = plan.arrival[0]
                         if last == 1 and live:
@@ -441,6 +478,9 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                             ptx.write_words(gemm1_partial(partials, pairs, n1, rank, row0 + a_row,
                                                           n_tile * cfg.rows + c0), words)
                 cute.arch.sync_threads()  # the next item's staging overwrites sm.out
+                if not gemm2:  # after the CTA barrier: every thread's partial or FC2 input stores are in
+                    if tid == counter:
+                        ptx.flip_count(readiness_word(barrier, t), item == t * per_tile, per_tile)
             mark(timeline, tid, timeline0, phase_words + 5)
             mark_value(timeline, tid, timeline0, phase_words + 6, items)
             mark_value(timeline, tid, timeline0, phase_words + 7, (k_extent // cfg.k_step + ranges - 1) // ranges)

@@ -153,19 +153,37 @@ def ld_global_cg_v4(addr: Int64, *, loc=None, ip=None) -> list:
 
 
 @dsl_user_op
-def grid_barrier(counter: Int64, leader, ctas: Int32, *, loc=None, ip=None) -> None:
-    """One thread a CTA (after a CTA barrier) arrives at the grid-wide barrier on the u32 at `counter` and waits
-    for every CTA of the launch (all co-resident: a cooperative launch). The leader CTA adds 2^31 - (ctas - 1),
-    every other one 1: the word's top bit flips once all have arrived, so the word never needs resetting between
-    launches (CUDA's cooperative-groups grid sync does the same). The gpu-scope fences make each CTA's earlier
-    global writes visible to every CTA past the barrier."""
-    _asm(0, [Int64(counter), Int32(cutlass.select_(leader, Int32(1), Int32(0))), Int32(ctas)],
-         "{ .reg .u32 add, old, now, flip; .reg .pred lead, done; setp.ne.u32 lead, $1, 0; "
-         "sub.u32 add, 0x80000001, $2; selp.u32 add, add, 1, lead; fence.acq_rel.gpu; "
-         "atom.add.release.gpu.u32 old, [$0], add; "
-         "GRID_SPIN_${:uid}: ld.acquire.gpu.u32 now, [$0]; xor.b32 flip, now, old; setp.lt.s32 done, flip, 0; "
-         "@!done bra.uni GRID_SPIN_${:uid}; fence.acq_rel.gpu; }",
+def flip_count(counter: Int64, leader, arrivals: Int32, *, loc=None, ip=None) -> None:
+    """One thread a CTA (after a CTA barrier) counts an arrival on the u32 at `counter`. The leader adds
+    2^31 - (arrivals - 1), every other arrival 1: the word's top bit flips once all `arrivals` have come (its low 31
+    bits stay 0 between launches, so no partial count reaches the top bit) and the word never needs resetting
+    (CUDA's cooperative-groups grid sync counts the same way). A waiter compares the top bit with the one the word
+    had before (flip_wait). The gpu-scope fence publishes the CTA's earlier global writes to every thread that
+    sees the flip (a release: fence, then a relaxed add); a reduction, not an atomic, so the thread has no round
+    trip to wait for."""
+    lead = Int32(int(leader)) if isinstance(leader, bool) else Int32(cutlass.select_(leader, Int32(1), Int32(0)))
+    _asm(0, [Int64(counter), lead, Int32(arrivals)],
+         "{ .reg .u32 add; .reg .pred lead; setp.ne.u32 lead, $1, 0; sub.u32 add, 0x80000001, $2; "
+         "selp.u32 add, add, 1, lead; fence.acq_rel.gpu; red.relaxed.gpu.global.add.u32 [$0], add; }",
          "l,r,r,~{memory}", side_effects=True)
+
+
+@dsl_user_op
+def ld_relaxed_gpu(addr: Int64, *, loc=None, ip=None) -> Int32:
+    """A u32 as the GPU's L2 has it now (another CTA's counts, not a copy in this SM's L1)."""
+    return Int32(_asm(1, [Int64(addr)], "ld.relaxed.gpu.global.u32 $0, [$1];", "=r,l,~{memory}", side_effects=True))
+
+
+@dsl_user_op
+def flip_wait(first: Int64, second: Int64, before: Int32, *, loc=None, ip=None) -> None:
+    """One thread a CTA waits until the top bits of the u32 words at `first` and `second` both differ from that of
+    `before` (a word's value ahead of this launch's flips: flip_count). Relaxed polls, then one fence (an acquire);
+    a CTA barrier after it passes the acquired writes on to the CTA's other threads."""
+    _asm(0, [Int64(first), Int64(second), Int32(before)],
+         "{ .reg .u32 a, b; .reg .pred done; FLIP_SPIN_${:uid}: ld.relaxed.gpu.u32 a, [$0]; "
+         "ld.relaxed.gpu.u32 b, [$1]; xor.b32 a, a, $2; xor.b32 b, b, $2; and.b32 a, a, b; setp.lt.s32 done, a, 0; "
+         "@!done bra.uni FLIP_SPIN_${:uid}; fence.acq_rel.gpu; }",
+         "l,l,r,~{memory}", side_effects=True)
 
 
 @dsl_user_op
