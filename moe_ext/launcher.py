@@ -535,8 +535,7 @@ class KernelBuffers:
     row_scale: torch.Tensor
     slot_output: torch.Tensor
     decode_partials: torch.Tensor  # FUSED_DECODE's K ranges' partial tiles (fp32): GEMM1's, then GEMM2's
-    # FUSED_DECODE's grid-barrier word, then a GEMM2 arrival count a (row tile, hidden tile) item from element 4:
-    # zeroed once, left consistent by every launch
+    # FUSED_DECODE's counts (decode_count_words): zeroed once, left consistent by every launch
     decode_counts: torch.Tensor
 
     @staticmethod
