@@ -297,6 +297,7 @@ DECODE_MAX_PAIRS = 64  # decode_fused.MAX_PAIRS
 DECODE_SPLITS = 8  # decode_fused.MAX_SPLITS: GEMM1 partial tiles a weight tile may leave in the workspace
 DECODE_CTAS_PER_SM = 2  # decode_fused.CONFIG.ctas_per_sm: the cooperative grid
 DECODE_GEMM2_MIN_STEPS = 4  # decode_fused.GEMM2_MIN_STEPS: 128-K steps of a GEMM2 K range at least
+DECODE_READINESS_WORD = 4  # decode_fused.READINESS_WORD: the count buffer's first row tile word
 # Whether FUSED_DECODE may take the form that splits GEMM2's K (decode_fused's split_gemm2) where
 # decode_splits_gemm2 says so. On since session 38 (tests/test_fused_decode.py passed on its build; graph replays of
 # the heuristic's tactic: DeepSeek-V3 EP8 T=1 26.5-26.8 µs, gpt-oss-120b T=1 40.7-41.2, against 31.0 and 45.5 for
@@ -592,7 +593,7 @@ def decode_count_words(pairs: int, n1: int, hidden: int) -> int:
     row tile of any launch (DECODE_MAX_PAIRS: each flips once a launch, so a buffer shared by launches of other
     sizes keeps them in step), then an arrival count a GEMM1 item (row tile, 128 weight rows) and one a GEMM2 item
     (row tile, 128 hidden rows) of the split form; at most `pairs` row tiles."""
-    return 4 + DECODE_MAX_PAIRS + pairs * (-(-n1 // 128) + -(-hidden // 128))
+    return DECODE_READINESS_WORD + DECODE_MAX_PAIRS + pairs * (-(-n1 // 128) + -(-hidden // 128))
 
 
 def decode_splits(ctas: int, items: int, steps: int, min_steps: int) -> int:

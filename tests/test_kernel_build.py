@@ -394,6 +394,20 @@ def test_fused_decode_kernels_fit_the_instruction_cache_and_do_not_spill(built_k
         assert sum("LDG.E.128" in line for line in lines[:first_copy]) >= 4, kind
 
 
+def test_launcher_mirrors_the_fused_decode_kernels_constants():
+    """The launcher sizes FUSED_DECODE's buffers and grid without importing CuTe-DSL, from copies of the kernel's
+    constants: a stale copy would under-size the count or partials buffers the kernel indexes."""
+    from moe_ext import launcher
+    from moe_ext.kernels.sm90 import decode_fused
+
+    assert launcher.DECODE_TILE == decode_fused.TOKENS
+    assert launcher.DECODE_MAX_PAIRS == decode_fused.MAX_PAIRS
+    assert launcher.DECODE_SPLITS == decode_fused.MAX_SPLITS
+    assert launcher.DECODE_CTAS_PER_SM == decode_fused.CONFIG.ctas_per_sm
+    assert launcher.DECODE_GEMM2_MIN_STEPS == decode_fused.GEMM2_MIN_STEPS
+    assert launcher.DECODE_READINESS_WORD == decode_fused.READINESS_WORD
+
+
 def test_fused_decode_timeline_build_marks_its_points_outside_the_mainloop(tmp_path, kernel_sass):
     """decode_fused's timeline build (benchmarks/decode_timeline.py) reads the SM clock and the global timer and
     stores its marks from thread 0; its mainloop (first to last HMMA) has no local-memory traffic, so the marks
