@@ -318,10 +318,12 @@ DECODE_FC2_MIN_RANGE_STEPS = 9
 # tests/test_fused_decode.py on the fixed build (h200_session35_checks.md).
 DEFAULT_FUSED_DECODE = True
 # GEMM1 weight tiles an SM (expected) up to which the default takes FUSED_DECODE, unless GEMM2's few long items would
-# idle its grid (default_tactic's `decode_gemm2_idle`). Graph replays against the kernel chain, sessions 35 and 36:
-# 1.07-1.23x at 1.4-2.7 tiles an SM (Qwen3-30B-A3B T = 2 / 4, DeepSeek-V3 EP8 T=8, gpt-oss-120b T=2), 1.02x at 1.9
-# (DeepSeek-V3 T=1); 0.98x and below from 3.4 (Mixtral T=1, DeepSeek-V3 T=2).
-FUSED_DECODE_TILES_PER_SM = 3
+# idle its grid (default_tactic's `decode_gemm2_idle`). Sessions 35-36 (H200) had it 0.98x and below from 3.4 tiles
+# an SM; since session 42's per-tile GEMM2 waits, graph replays against the kernel chain (H100, session 43,
+# h100_session43_checks.md): Mixtral T = 1 / 2 / 4 / 8 (3.4 / 5.9 / 9.3 / 12.2 tiles an SM) 1.28 / 1.15 / 1.02 /
+# 1.03x, DeepSeek-V3 T = 2 / 4 (3.8 / 7.4) 1.24 / 1.03x, gpt-oss-120b T = 4 / 8 (5.2 / 9.8) 1.03-1.11 / 1.07x,
+# Qwen3-30B-A3B T=8 (4.7) 1.06x; DeepSeek-V3 T=8 (13.9) 1.00x.
+FUSED_DECODE_TILES_PER_SM = 13
 # GEMM1 CTAs an SM (expected, on 8-token tiles) from which the default tactic takes 16-token tiles instead: with its
 # ring unrolled the 16-token mainloop (three CTAs an SM) beat the 8-token default by 1.02-1.06x at T = 8-64 on five
 # shapes (5.8-62 CTAs an SM: the tactic table and replay A/Bs, h200_session31_checks.md). Below (T = 1, EP8 T=8:

@@ -474,10 +474,11 @@ def test_the_default_flush_reads_twice_the_l2_and_writes_nothing(monkeypatch):
     assert len(flushes) == 2
 
 
-def test_hopper_default_tactic_takes_the_fused_decode_up_to_three_gemm1_tiles_an_sm():
+def test_hopper_default_tactic_takes_the_fused_decode_up_to_thirteen_gemm1_tiles_an_sm():
     """FUSED_DECODE where it runs and GEMM1's expected weight tiles fit one an SM (measured 1.25-1.74x there), and up
-    to three an SM unless GEMM2's few long items would idle the grid unsplit (1.07-1.23x at 1.4-2.7 tiles an SM;
-    gpt-oss-120b T=1 0.90x unsplit); the kernel chain from 3.4 (0.62-0.98x: h200_session35_checks.md)."""
+    to thirteen an SM unless GEMM2's few long items would idle the grid unsplit (gpt-oss-120b T=1 0.90x unsplit):
+    1.02-1.28x at 3.4-12.2 tiles an SM, 1.00x at 13.9 (launcher.FUSED_DECODE_TILES_PER_SM, h100_session43_checks.md).
+    """
     from moe_ext import launcher
 
     tiles, fused = launcher.TOKEN_TILES, (8, launcher.FUSED_DECODE, launcher.FUSED_DECODE)
@@ -487,17 +488,19 @@ def test_hopper_default_tactic_takes_the_fused_decode_up_to_three_gemm1_tiles_an
 
     assert default(1, 8, 128, 128, 1536, 2048) == fused  # Qwen3 T=1: 8 experts x 12 tiles
     assert default(1, 8, 128, 128, 1536, 2048, fits=False) != fused  # deterministic finalize, w4a4, ...
-    assert default(2, 8, 128, 128, 1536, 2048) == fused  # ~15.5 experts x 12: 1.23x
-    assert default(4, 8, 128, 128, 1536, 2048) == fused  # ~29 x 12: 1.07x
-    assert default(8, 8, 128, 128, 1536, 2048) != fused  # ~52 x 12: 0.84x
-    assert default(4, 8, 256, 32, 4096, 7168) == fused  # DeepSeek-V3 EP8 T=4: ~3.8 local experts x 32
-    assert default(8, 8, 256, 32, 4096, 7168) == fused  # ~7.1 x 32: 1.13x
-    assert default(2, 8, 256, 256, 4096, 7168) != fused  # DeepSeek-V3 T=2: ~15.5 x 32, 0.98x
-    assert default(2, 4, 128, 128, 5760, 2880) == fused  # gpt-oss-120b T=2: ~7.9 x 45, 1.08x
+    assert default(2, 8, 128, 128, 1536, 2048) == fused  # ~15.5 experts x 12
+    assert default(8, 8, 128, 128, 1536, 2048) == fused  # ~52 x 12 (4.7 an SM): 1.06x
+    assert default(8, 8, 256, 32, 4096, 7168) == fused  # DeepSeek-V3 EP8 T=8: ~7.1 local experts x 32
+    assert default(2, 8, 256, 256, 4096, 7168) == fused  # DeepSeek-V3 T=2: ~15.5 x 32 (3.8 an SM): 1.24x
+    assert default(8, 8, 256, 256, 4096, 7168) != fused  # T=8: ~57 x 32 (13.9 an SM): 1.00x
+    assert default(4, 4, 128, 128, 5760, 2880) == fused  # gpt-oss-120b T=4: ~15.2 x 45 (5.2 an SM)
+    assert default(16, 4, 128, 128, 5760, 2880) != fused  # T=16: 17.4 an SM, not measured
     assert default(1, 4, 128, 128, 5760, 2880, idle=True) != fused  # T=1: 4 x 45, GEMM2 4 x 23 items: 0.90x
     assert default(1, 4, 128, 128, 5760, 2880) == fused  # ... where its split form takes GEMM2 (40.6 vs 41.0 us)
     assert default(1, 8, 256, 32, 4096, 7168, idle=True) == fused  # EP8 T=1 (one tile an SM): 1.25x even unsplit
-    assert default(1, 2, 8, 8, 28672, 4096) != fused  # Mixtral T=1: 2 x 224, 0.62x
+    assert default(1, 2, 8, 8, 28672, 4096) == fused  # Mixtral T=1: 2 x 224 (3.4 an SM): 1.28x
+    assert default(8, 2, 8, 8, 28672, 4096) == fused  # T=8: ~7.2 x 224 (12.2 an SM): 1.03x
+    assert default(16, 2, 8, 8, 28672, 4096) != fused  # T=16: 13.4 an SM, not measured
     assert default(64, 1, 4096, 4096, 128, 128) == fused  # 64 (token, expert) pairs fit the kernel's routing ...
     assert default(72, 1, 4096, 4096, 128, 128) != fused  # ... 72 do not
 

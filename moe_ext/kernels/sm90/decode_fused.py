@@ -11,7 +11,8 @@ gaps and GEMM1 on only 96-192 CTAs. Here one cooperative grid, two CTAs an SM, d
      tile's readiness word;
   3. GEMM2: items (row tile, 128 hidden rows), each waiting for its own row tile's readiness word and for every
      CTA's zeroing (a count of its own), not for the whole grid: a tile whose GEMM1 items are done goes on while
-     others finish (a grid-wide barrier opened ~1.3 µs after its last arrival, session 38's timeline). They are
+     others finish (a grid-wide barrier opened ~1.3 µs after its last arrival, session 38's timeline). In the
+     partials forms an item issues its first weight copies before it waits (GEMM2_PRIMED_STAGES). They are
      handed out from the last CTA down, so the CTAs GEMM1's uneven stride left with fewer items take them. Their token
      staging sums GEMM1's partials in rank order (as the cluster split-K of gemm1.py does), applies alpha and the
      activation and rounds to bf16 - the FC2 input gemm1.py would have stored - and the epilogue reduce-adds the
@@ -51,6 +52,11 @@ MAX_SPLITS = 8  # K ranges of a weight tile: the partials workspace holds this m
 # GEMM2 K steps a range at least: Qwen3-30B-A3B T=1's 2 ranges of 3 steps were 1.07x slower than one
 # (h200_session36_checks.md)
 GEMM2_MIN_STEPS = 4
+# Weight stages a GEMM2 item of the partials forms issues before it waits for its routing tile (stream.TokensReady),
+# so they land while it waits and its partial loads after the wait do not queue behind them (H100, session 43:
+# Qwen3-30B-A3B T=1 21.5 -> 21.15 us, DeepSeek-V3 EP8 T=1 27.45 -> 26.75). The fc2 forms, whose FC2-input loads
+# already go out ahead of the copies, lost 0.5-1.4 us with it (the copies contend with GEMM1's last items).
+GEMM2_PRIMED_STAGES = 4
 # Two CTAs an SM (128 registers: the three-CTA form's 80 spill here), 2048-K token chunks, each staged with all of a
 # thread's loads in flight (stream.TokenLoads' unrolled form and stream.LoadsFirst).
 CONFIG = replace(streaming.config_for(TOKENS, 1), token_elems=TOKENS * 2048)
@@ -162,6 +168,18 @@ def splits(ctas, items, steps, min_steps):
     128-K steps, at most MAX_SPLITS (the partials workspace holds that many tiles a row)."""
     s = cute.math.max(Int32(1), ctas // cute.math.max(Int32(1), items))
     return cute.math.max(Int32(1), cute.math.min(cute.math.min(s, Int32(MAX_SPLITS)), steps // min_steps))
+
+
+@cute.jit
+def wait_for_tile(tid, zeroed_word: Int64, tile_word: Int64, before: Int32, timeline: cutlass.Constexpr,
+                  timeline0: Int64, first_in_cta):
+    """Thread 0 waits for the flips of the zeroing's word and a routing tile's readiness word (ptx.flip_wait), and
+    the CTA barrier after it passes what they published on to every thread."""
+    if tid == 0:
+        ptx.flip_wait(zeroed_word, tile_word, before)
+    cute.arch.sync_threads()
+    if first_in_cta:
+        mark(timeline, tid, timeline0, TIMELINE["barrier_passed"])
 
 
 def readiness_word(barrier: cute.Tensor, t) -> Int64:
@@ -365,12 +383,16 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                 row0 = plan.tile_row0[t]
                 limit = plan.tile_limit[t]
                 alpha = w1_alpha[expert]
-                if gemm2:  # the tile's FC2 input (its GEMM1 items' counts) and a zeroed output (every CTA's)
-                    if tid == 0:
-                        ptx.flip_wait(barrier.iterator.toint(), readiness_word(barrier, t), plan.arrival[3])
-                    cute.arch.sync_threads()
-                    if item == first_item:
-                        mark(timeline, tid, timeline0, TIMELINE["barrier_passed"])
+                if cutlass.const_expr(fc2_by_gemm1):
+                    if gemm2:  # the tile's FC2 input (its GEMM1 items' counts) and a zeroed output (every CTA's)
+                        if tid == 0:
+                            ptx.flip_wait(barrier.iterator.toint(), readiness_word(barrier, t), plan.arrival[3])
+                        cute.arch.sync_threads()
+                        if item == first_item:
+                            mark(timeline, tid, timeline0, TIMELINE["barrier_passed"])
+                # the partials forms' GEMM2 waits the same way inside the mainloop, after its first copies
+                tile_wait = (barrier.iterator.toint(), readiness_word(barrier, t), plan.arrival[3], timeline,
+                             timeline0, item == first_item)
 
                 def load_x(r, kk, k_end):
                     """GEMM1's 8 values at K = kk of row row0 + r: x of its token."""
@@ -432,7 +454,9 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                                      rank, ranges, limit - row0, TOKENS, cfg, BLOCK,
                                      streaming.LoadsFirst(load_tokens) if fc2_by_gemm1 else
                                      streaming.TokenLoads(load_x, load_fc2_input, phase == 0), cluster_reduce=False,
-                                     trace=trace if cutlass.const_expr(timeline) else None)
+                                     trace=trace if cutlass.const_expr(timeline) else None,
+                                     ready=None if fc2_by_gemm1 else streaming.TokensReady(
+                                         wait_for_tile, tile_wait, gemm2, GEMM2_PRIMED_STAGES))
                 if item == first_item:
                     mark(timeline, tid, timeline0, phase_words + 3)
                 mark(timeline, tid, timeline0, phase_words + 4)

@@ -447,6 +447,18 @@ class LoadsFirst(NamedTuple):
     load: object
 
 
+class TokensReady(NamedTuple):
+    """A wait that a run's token loads must follow: decode_fused.py's GEMM2 items, whose FC2 input other CTAs
+    write. Where `when` holds at run time, warp 0 issues the run's first `stages` weight copies before every thread
+    runs `wait(tid, *args)`, so they land while the CTA waits; the loads and the other copies keep their places.
+    (The wait takes its values as arguments: a closure's captures do not reach a staged branch.)"""
+
+    wait: object
+    args: tuple
+    when: object  # a run-time Boolean
+    stages: int
+
+
 class FirstCopies(NamedTuple):
     """issue_first_copies' arguments: stage_first_chunk issues them around its token loads and stores."""
 
@@ -459,6 +471,7 @@ class FirstCopies(NamedTuple):
     block: int
     cfg: StreamConfig
     trace: object
+    skip: object = None  # stages issued before a TokensReady wait (run time), or None
 
 
 def chunk_tasks(tokens: int, c: StreamConfig, live: int) -> int:
@@ -470,7 +483,7 @@ def chunk_tasks(tokens: int, c: StreamConfig, live: int) -> int:
 def accumulate(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_extent, rank, k_split,
                live_rows, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
                load_group: cutlass.Constexpr, cluster_reduce: cutlass.Constexpr = True,
-               trace: cutlass.Constexpr = None):
+               trace: cutlass.Constexpr = None, ready: cutlass.Constexpr = None):
     """The mainloop of one CTA over weight rows [first_row, first_row + cfg.rows) of `expert` in a 4-bit weight
     (scales `w_sf`; `w_map` from weight_map): leaves its accumulator
     tile (summed over K slices, and on cluster rank 0 over the cluster's ranks) in sm.out. `load_group(r, k,
@@ -484,7 +497,8 @@ def accumulate(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_exten
     `trace(tid, event)`, if given, runs in every thread after the run's first token staging (event 0), once its
     first group of stages has landed (event 1), after its first weight copies were issued (2) and, for a
     LoadsFirst group, once the thread's first loads are in and stored (3): timeline marks (decode_fused.py's
-    timeline build; the forms that wait a group of stages at a time).
+    timeline build; the forms that wait a group of stages at a time). `ready`, a TokensReady or None: a wait
+    before the token loads.
     """
     fill_scale_lut(sm, tid, block)  # read after the first staging barrier below
     acc = cute.make_rmem_tensor((accumulator_size(tokens, cfg),), Float32)
@@ -496,7 +510,7 @@ def accumulate(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_exten
     loop_args = (sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
                  part, acc, tokens, cfg, block, load_group)
 
-    narrowest_mainloop(loop_args, live_rows, mainloop_widths(tokens, cfg), trace)
+    narrowest_mainloop(loop_args, live_rows, mainloop_widths(tokens, cfg), trace, ready)
     if cutlass.const_expr(cfg.mma == "wgmma_async"):
         ptx.wgmma_wait(0)
     cute.arch.sync_threads()
@@ -517,19 +531,19 @@ def accumulate(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_exten
 
 @cute.jit
 def narrowest_mainloop(loop_args: tuple, live_rows, widths: cutlass.Constexpr,
-                       trace: cutlass.Constexpr = None):
+                       trace: cutlass.Constexpr = None, ready: cutlass.Constexpr = None):
     """tma_mainloop at the narrowest of `widths` that holds the live rows, through a tree of comparisons on the
     CTA-uniform row count (an expert's rows past this tile take the full width). The same four widths chosen by
     equality on a computed index ran 1.33x slower than halves on the H200 (session 18), its loops full of R2UR
     moves the halves' lacked."""
     if cutlass.const_expr(len(widths) == 1):
-        tma_mainloop(*loop_args, widths[0], trace)
+        tma_mainloop(*loop_args, widths[0], trace, ready)
     else:
         half = len(widths) // 2
         if live_rows <= widths[half - 1]:
-            narrowest_mainloop(loop_args, live_rows, widths[:half], trace)
+            narrowest_mainloop(loop_args, live_rows, widths[:half], trace, ready)
         else:
-            narrowest_mainloop(loop_args, live_rows, widths[half:], trace)
+            narrowest_mainloop(loop_args, live_rows, widths[half:], trace, ready)
 
 
 def task_position(tid, m: int, threads: int, per_row: int):
@@ -638,7 +652,8 @@ def address_of(t) -> Int64:
 @cute.jit
 def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
                  part, acc: cute.Tensor, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr, block: cutlass.Constexpr,
-                 load_group: cutlass.Constexpr, live: cutlass.Constexpr, trace: cutlass.Constexpr = None):
+                 load_group: cutlass.Constexpr, live: cutlass.Constexpr, trace: cutlass.Constexpr = None,
+                 ready: cutlass.Constexpr = None):
     """Stages of k_slices 128-K steps (K slice `part` reads step `part` of each) arrive by TMA: one box per step
     and one bulk copy of its scale tiles, counted on the stage's full barrier. No warp waits for a producer: every
     warp releases a stage it has read on the stage's empty barrier, and warp 0 refills the slot at its next stage
@@ -656,6 +671,8 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
         cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
     copies = FirstCopies(sm, tid, src, first, steps, num_stages, block, cfg, trace)
+    if cutlass.const_expr(ready is not None):
+        copies = copies._replace(skip=copies_before_wait(copies, ready))
     if cutlass.const_expr(isinstance(load_group, LoadsFirst)):
         # The first group of stages, then the rest once the tokens are stored: the whole grid's first groups go
         # ahead of its later stages in the memory queues, so they land sooner.
@@ -705,15 +722,34 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
 
 @cute.jit
 def issue_first_copies(sm, tid, src, first, steps, num_stages, block: cutlass.Constexpr, cfg: cutlass.Constexpr,
-                       trace: cutlass.Constexpr = None, start: cutlass.Constexpr = 0,
+                       trace: cutlass.Constexpr = None, skip=None, start: cutlass.Constexpr = 0,
                        stop: cutlass.Constexpr = None):
-    """Warp 0 issues the run's first stages `start` to `stop` (default: as many as the ring holds)."""
+    """Warp 0 issues the run's first stages `start` to `stop` (default: as many as the ring holds), but those below
+    `skip` (run time, or None: none), which went out before a TokensReady wait."""
     if tid < 32:
         for s in cutlass.range_constexpr(start, cfg.stages if stop is None else stop):
-            if s < num_stages:
-                issue_tma_stage(sm, tid, src, first, s, steps, block, cfg)
+            if cutlass.const_expr(skip is None):
+                if s < num_stages:
+                    issue_tma_stage(sm, tid, src, first, s, steps, block, cfg)
+            else:
+                if (s < num_stages) & (skip <= s):
+                    issue_tma_stage(sm, tid, src, first, s, steps, block, cfg)
     if cutlass.const_expr(trace is not None and start == 0):
-        trace(tid, 2)
+        if cutlass.const_expr(skip is None):
+            trace(tid, 2)
+        else:
+            if skip == 0:  # else the issue before the wait was the first
+                trace(tid, 2)
+
+
+@cute.jit
+def copies_before_wait(copies: FirstCopies, ready: TokensReady) -> Int32:
+    """Where ready.when holds, the run's first ready.stages copies, then ready's wait; the stages it issued."""
+    wait, args = ready.wait, ready.args  # called as ready.wait(...) the tuple would count as changed by the branch
+    if ready.when:
+        issue_first_copies(*copies, 0, ready.stages)
+        wait(copies.tid, *args)
+    return Int32(cutlass.select_(ready.when, Int32(ready.stages), Int32(0)))
 
 
 @cute.jit
