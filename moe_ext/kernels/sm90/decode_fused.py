@@ -384,15 +384,17 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                 limit = plan.tile_limit[t]
                 alpha = w1_alpha[expert]
                 if cutlass.const_expr(fc2_by_gemm1):
+                    ready = None
                     if gemm2:  # the tile's FC2 input (its GEMM1 items' counts) and a zeroed output (every CTA's)
                         if tid == 0:
                             ptx.flip_wait(barrier.iterator.toint(), readiness_word(barrier, t), plan.arrival[3])
                         cute.arch.sync_threads()
                         if item == first_item:
                             mark(timeline, tid, timeline0, TIMELINE["barrier_passed"])
-                # the partials forms' GEMM2 waits the same way inside the mainloop, after its first copies
-                tile_wait = (barrier.iterator.toint(), readiness_word(barrier, t), plan.arrival[3], timeline,
-                             timeline0, item == first_item)
+                else:  # the same wait, inside the mainloop after GEMM2's first copies
+                    ready = streaming.TokensReady(wait_for_tile, (barrier.iterator.toint(), readiness_word(barrier, t),
+                                                                  plan.arrival[3], timeline, timeline0,
+                                                                  item == first_item), gemm2, GEMM2_PRIMED_STAGES)
 
                 def load_x(r, kk, k_end):
                     """GEMM1's 8 values at K = kk of row row0 + r: x of its token."""
@@ -455,8 +457,7 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                                      streaming.LoadsFirst(load_tokens) if fc2_by_gemm1 else
                                      streaming.TokenLoads(load_x, load_fc2_input, phase == 0), cluster_reduce=False,
                                      trace=trace if cutlass.const_expr(timeline) else None,
-                                     ready=None if fc2_by_gemm1 else streaming.TokensReady(
-                                         wait_for_tile, tile_wait, gemm2, GEMM2_PRIMED_STAGES))
+                                     ready=ready)
                 if item == first_item:
                     mark(timeline, tid, timeline0, phase_words + 3)
                 mark(timeline, tid, timeline0, phase_words + 4)
