@@ -489,11 +489,14 @@ def test_hopper_default_tactic_takes_the_fused_decode_up_to_thirteen_gemm1_tiles
     assert default(1, 8, 128, 128, 1536, 2048) == fused  # Qwen3 T=1: 8 experts x 12 tiles
     assert default(1, 8, 128, 128, 1536, 2048, fits=False) != fused  # deterministic finalize, w4a4, ...
     assert default(2, 8, 128, 128, 1536, 2048) == fused  # ~15.5 experts x 12
+    assert default(4, 8, 128, 128, 1536, 2048) == fused  # ~29 x 12
     assert default(8, 8, 128, 128, 1536, 2048) == fused  # ~52 x 12 (4.7 an SM): 1.06x
-    assert default(8, 8, 256, 32, 4096, 7168) == fused  # DeepSeek-V3 EP8 T=8: ~7.1 local experts x 32
+    assert default(4, 8, 256, 32, 4096, 7168) == fused  # DeepSeek-V3 EP8 T=4: ~3.8 local experts x 32
+    assert default(8, 8, 256, 32, 4096, 7168) == fused  # ~7.1 x 32
     assert default(2, 8, 256, 256, 4096, 7168) == fused  # DeepSeek-V3 T=2: ~15.5 x 32 (3.8 an SM): 1.24x
     assert default(8, 8, 256, 256, 4096, 7168) != fused  # T=8: ~57 x 32 (13.9 an SM): 1.00x
-    assert default(4, 4, 128, 128, 5760, 2880) == fused  # gpt-oss-120b T=4: ~15.2 x 45 (5.2 an SM)
+    assert default(2, 4, 128, 128, 5760, 2880) == fused  # gpt-oss-120b T=2: ~7.9 x 45
+    assert default(4, 4, 128, 128, 5760, 2880) == fused  # T=4: ~15.2 x 45 (5.2 an SM)
     assert default(16, 4, 128, 128, 5760, 2880) != fused  # T=16: 17.4 an SM, not measured
     assert default(1, 4, 128, 128, 5760, 2880, idle=True) != fused  # T=1: 4 x 45, GEMM2 4 x 23 items: 0.90x
     assert default(1, 4, 128, 128, 5760, 2880) == fused  # ... where its split form takes GEMM2 (40.6 vs 41.0 us)

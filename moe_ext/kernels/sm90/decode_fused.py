@@ -385,6 +385,7 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                 alpha = w1_alpha[expert]
                 if cutlass.const_expr(fc2_by_gemm1):
                     ready = None
+                    # wait_for_tile's body, inline: called here it compiled to other SASS than the tested objects
                     if gemm2:  # the tile's FC2 input (its GEMM1 items' counts) and a zeroed output (every CTA's)
                         if tid == 0:
                             ptx.flip_wait(barrier.iterator.toint(), readiness_word(barrier, t), plan.arrival[3])
