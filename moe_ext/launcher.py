@@ -16,7 +16,7 @@ import torch
 from .activation import LOG2E
 from .plan import ROLES
 from .quant.swizzle import swizzled_size
-from .routing import Routing, expected_experts_hit, expected_tile_fill, max_num_tiles
+from .routing import Routing, expected_experts_hit, expected_tile_fill, expected_tiles, max_num_tiles
 
 
 @functools.lru_cache(maxsize=None)
@@ -317,13 +317,15 @@ DECODE_FC2_MIN_RANGE_STEPS = 9
 # Whether the untuned heuristic may pick FUSED_DECODE (default_tactic's `fused_decode`): on since session 35 ran
 # tests/test_fused_decode.py on the fixed build (h200_session35_checks.md).
 DEFAULT_FUSED_DECODE = True
-# GEMM1 weight tiles an SM (expected) up to which the default takes FUSED_DECODE, unless GEMM2's few long items would
-# idle its grid (default_tactic's `decode_gemm2_idle`). Sessions 35-36 (H200) had it 0.98x and below from 3.4 tiles
-# an SM; since session 42's per-tile GEMM2 waits, graph replays against the kernel chain (H100, session 43,
-# h100_session43_checks.md): Mixtral T = 1 / 2 / 4 / 8 (3.4 / 5.9 / 9.3 / 12.2 tiles an SM) 1.28 / 1.15 / 1.02 /
-# 1.03x, DeepSeek-V3 T = 2 / 4 (3.8 / 7.4) 1.24 / 1.03x, gpt-oss-120b T = 4 / 8 (5.2 / 9.8) 1.03-1.11 / 1.07x,
-# Qwen3-30B-A3B T=8 (4.7) 1.06x; DeepSeek-V3 T=8 (13.9) 1.00x.
-FUSED_DECODE_TILES_PER_SM = 13
+# GEMM1 weight tiles an SM (expected: 8-token routing tiles, routing.expected_tiles, x n1 / 128) up to which the
+# default takes FUSED_DECODE, unless GEMM2's few long items would idle its grid (default_tactic's
+# `decode_gemm2_idle`). Sessions 35-36 (H200) had it 0.98x and below from 3.4 tiles an SM; since session 42's
+# per-tile GEMM2 waits, graph replays against the kernel chain (H100, h100_session43_checks.md and
+# h100_session44_checks.md; two rounds up to T=8, one at T=16 and 32): Mixtral T = 1 / 2 / 4 / 8 / 16
+# (3.4 / 5.9 / 9.3 / 12.2 / 13.5 tiles an SM) 1.28 / 1.15 / 1.02 / 1.02 / 1.06x, DeepSeek-V3 T = 2 / 4 (3.8 / 7.4)
+# 1.24 / 1.03x, gpt-oss-120b T = 4 / 8 / 16 (5.2 / 9.8 / 17.4) 1.03-1.11 / 1.06 / 1.04x, Qwen3-30B-A3B T=8 (4.7)
+# 1.06x; DeepSeek-V3 T=8 (13.9) 1.00x; Mixtral T=32 (19.1: its experts average 8 rows, 1.4 tiles each) 0.84x.
+FUSED_DECODE_TILES_PER_SM = 18
 # GEMM1 CTAs an SM (expected, on 8-token tiles) from which the default tactic takes 16-token tiles instead: with its
 # ring unrolled the 16-token mainloop (three CTAs an SM) beat the 8-token default by 1.02-1.06x at T = 8-64 on five
 # shapes (5.8-62 CTAs an SM: the tactic table and replay A/Bs, h200_session31_checks.md). Below (T = 1, EP8 T=8:
@@ -461,16 +463,17 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     An 8-token tile whose GEMM1 would launch SIXTEEN_OVER_EIGHT_WAVES+ CTAs an SM takes 16 tokens instead.
     On a THREE_CTA_TILES tile (`three_ctas`), an unsplit GEMM whose expected CTAs fill three an SM takes THREE_CTAS:
     GEMM1 1.06-1.21x and GEMM2 1.27-1.80x there; at 256 CTAs it was 0.76-0.96x (h200_session17_checks.md).
-    Where the one-launch forward can run (`fused_decode`: fits_fused_decode) and GEMM1's expected weight tiles fit
-    one an SM (so its K splits at least in two across the two-CTA grid), it takes FUSED_DECODE: Qwen3-30B-A3B T=1
-    1.36x, DeepSeek-V3 EP8 T = 1 / 2 / 4 1.25 / 1.74 / 1.68x in graph replays (h200_session35_checks.md); and up to
+    Where the one-launch forward can run (`fused_decode`: fits_fused_decode) and GEMM1's expected weight tiles
+    (routing.expected_tiles on 8-token tiles x n1 / 128) fit one an SM (so its K splits at least in two across the
+    two-CTA grid), it takes FUSED_DECODE: Qwen3-30B-A3B T=1 1.36x, DeepSeek-V3 EP8 T = 1 / 2 / 4 1.25 / 1.74 /
+    1.68x in graph replays (h200_session35_checks.md); and up to
     FUSED_DECODE_TILES_PER_SM tiles an SM where GEMM2's expected items do not leave the grid idle
     (`decode_gemm2_idle`: decode_splits_gemm2 would split them and the split form is not taken; gpt-oss-120b T=1,
     4 experts x 23 hidden tiles of 23 K steps, ran 0.90x unsplit). The backend asks for it only under
     DEFAULT_FUSED_DECODE.
     """
     if fused_decode and num_tokens * top_k <= DECODE_MAX_PAIRS:
-        tiles1 = expected_experts_hit(num_tokens, top_k, num_experts, num_local_experts) * n1 / 128
+        tiles1 = expected_tiles(num_tokens, top_k, num_experts, num_local_experts, DECODE_TILE) * n1 / 128
         if tiles1 <= num_sms or (tiles1 <= FUSED_DECODE_TILES_PER_SM * num_sms and not decode_gemm2_idle):
             return (DECODE_TILE, FUSED_DECODE, FUSED_DECODE)
     local_slots = num_tokens * top_k * num_local_experts / max(1, num_experts)

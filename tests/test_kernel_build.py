@@ -372,14 +372,15 @@ def test_fused_decode_kernels_fit_the_instruction_cache_and_do_not_spill(built_k
     """The one-launch forward (decode_fused.py) runs both GEMMs through one mainloop: its first build, with two
     unrolled copies of everything, was 13,184 instructions and 41% of its stall samples waited for instruction
     fetch (ncu, Qwen3-30B-A3B T=1). It must stay small and in registers: no local memory in the mainloop, and
-    outside it only in the forms whose GEMM2 staging sums GEMM1's ranges (a few values over the phase loop at the
-    128-register cap). Every form issues a thread's token loads before its first store into the token tile (task by
-    task each load waited for the previous store, 3.5 us at T=1), and issues GEMM1's first chunk's before its weight
-    copies (the partials forms' GEMM2 items issue theirs before they wait for their tokens)."""
+    outside it only in the split partials forms (GEMM2's ranges meet and its staging sums GEMM1's: a few values over
+    the phase loop at the 128-register cap; ReLU2's 29 since those forms walk their ring in a loop). Every form
+    issues a thread's token loads before its first store into the token tile (task by task each load waited for the
+    previous store, 3.5 us at T=1), and issues GEMM1's first chunk's before its weight copies (the partials forms'
+    GEMM2 items issue theirs before they wait for their tokens)."""
     for kind in ("swiglu", "situ", "geglu_tanh", "relu2"):
         listing = kernel_sass.sass(str(built_kernels / f"moe_decode_w4a16_{kind}{form}.o"))
         counts = kernel_sass.opcode_counts(listing)
-        spills = {"_split2": 20, "": 4}.get(form, 0)
+        spills = {"_split2": 30}.get(form, 0)
         assert counts["LDL"] + counts["STL"] <= spills, (kind, counts["LDL"] + counts["STL"])
         assert sum(counts.values()) < 6000, (kind, sum(counts.values()))
         lines = listing.splitlines()

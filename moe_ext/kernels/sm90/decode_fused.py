@@ -60,6 +60,11 @@ GEMM2_PRIMED_STAGES = 4
 # Two CTAs an SM (128 registers: the three-CTA form's 80 spill here), 2048-K token chunks, each staged with all of a
 # thread's loads in flight (stream.TokenLoads' unrolled form and stream.LoadsFirst).
 CONFIG = replace(streaming.config_for(TOKENS, 1), token_elems=TOKENS * 2048)
+# The partials forms walk their ring in a loop instead of a pass unrolled (3,558 instructions against 5,186,
+# SwiGLU): H100 graph replays, 5 rounds, DeepSeek-V3 EP8 T=1 26.7 -> 26.0 us, Qwen3-30B-A3B T=1 21.2 either way
+# (h100_session44_checks.md). The fc2 forms keep the unrolled pass: without it Qwen3 T=2 and Mixtral T=1-4
+# (DeepSeek-V3 EP8 T=8 too) ran 0.3-2.3 us slower.
+PARTIALS_CONFIG = replace(CONFIG, unroll_ring=False)
 BLOCK = 16  # NVFP4 weight scales
 # The timeline build (make_kernel's `timeline`): thread 0 of each CTA writes TIMELINE_WORDS u32 words at
 # TIMELINE[...] past the count buffer's words (launcher.decode_count_words), CTA after CTA; the caller allocates
@@ -290,7 +295,7 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
     sums GEMM1's partials and applies the activation, in a loop after the copies (stream.TokenLoads). Neither is
     faster everywhere (launcher.decode_fc2_by_gemm1)."""
     gated = kind != "relu2"
-    cfg = CONFIG
+    cfg = CONFIG if fc2_by_gemm1 else PARTIALS_CONFIG
     threads = cfg.threads
     out_cols = cfg.rows * TOKENS // threads  # GEMM epilogues: accumulator columns per thread (4)
 
