@@ -27,7 +27,7 @@ VARIANTS = {
     "no_gemm1": [dict(gemms=(False, True))],
     "neither": [dict(gemms=(False, False))],
     "timeline": [dict(timeline=True, split_gemm2=split, fc2_by_gemm1=fc2) for split in (False, True)
-                 for fc2 in (False, True)],
+                 for fc2 in (False, True)] + [dict(timeline=True, fc2_by_gemm1=True, deep_ring=True)],
 }
 PHASES = "full,no_gemm2,no_gemm1,neither"
 
@@ -50,7 +50,8 @@ def main():
         os.makedirs(folder, exist_ok=True)
         for kind in args.kinds.split(","):
             for form in VARIANTS[variant]:
-                name = launcher.decode_kernel(kind, form.get("split_gemm2", False), form.get("fc2_by_gemm1", False))
+                name = launcher.decode_kernel(kind, form.get("split_gemm2", False), form.get("fc2_by_gemm1", False),
+                                              form.get("deep_ring", False))
                 start = time.perf_counter()
                 compiled = decode_fused.compile_decode(kind, f"--gpu-arch {build.ARCH}", **form)
                 compiled.export_to_c(file_path=folder, file_name=name, function_prefix=name)

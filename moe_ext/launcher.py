@@ -314,6 +314,16 @@ DECODE_FC2_BY_GEMM1 = True
 # 128-K steps of GEMM1's expected K ranges up to which FUSED_DECODE keeps the other forms where the ranges split
 # (decode_fc2_by_gemm1): the two measured losses above had 8 and 7, the wins 14 and more or no split.
 DECODE_FC2_MIN_RANGE_STEPS = 9
+# Whether FUSED_DECODE may take the unsplit fc2_by_gemm1 form's deep-ring variant (decode_fused.DEEP_CONFIG: a
+# 6-stage ring, DECODE_DEEP_RING_STAGES) where decode_deep_ring says so, and from how many GEMM1 weight tiles an SM
+# (expected: routing.expected_tiles on 8-token tiles x n1 / 128). H100 graph replays, two rounds, against the 4-stage
+# form (h100_session44_checks.md): Qwen3-30B-A3B T = 4 / 8 (2.6 / 4.7 tiles an SM) 44.9 -> 44.0 / 73.55 -> 71.05 µs,
+# DeepSeek-V3 T = 2 / 4 / 8 (3.8 / 7.4 / 13.9) 0.6 / 0.85 / 1.65% faster, Mixtral T = 4 / 8 (9.3 / 12.2) 0.6 /
+# 1.0%; slower at Qwen3 T=2 (1.4: +0.35 µs) and DeepSeek-V3 EP8 T=4 (0.9: +1.85), level at EP8 T=8 (1.7). Only the
+# SwiGLU object is built (the kind these shapes, gpt-oss-120b's too, run); gpt-oss-120b's points are not measured.
+DECODE_DEEP_RING = True
+DECODE_DEEP_RING_STAGES = 6  # decode_fused.DEEP_CONFIG.stages
+DECODE_DEEP_RING_TILES_PER_SM = 2.0
 # Whether the untuned heuristic may pick FUSED_DECODE (default_tactic's `fused_decode`): on since session 35 ran
 # tests/test_fused_decode.py on the fixed build (h200_session35_checks.md).
 DEFAULT_FUSED_DECODE = True
@@ -582,8 +592,9 @@ def _dummies(device: torch.device) -> dict:
             for dtype in (torch.bfloat16, torch.uint8, torch.float32)}
 
 
-def decode_kernel(kind: str, split_gemm2: bool = False, fc2_by_gemm1: bool = False) -> str:
-    return f"moe_decode_w4a16_{kind}" + ("_split2" if split_gemm2 else "") + ("_fc2" if fc2_by_gemm1 else "")
+def decode_kernel(kind: str, split_gemm2: bool = False, fc2_by_gemm1: bool = False, deep_ring: bool = False) -> str:
+    return (f"moe_decode_w4a16_{kind}" + ("_split2" if split_gemm2 else "") + ("_fc2" if fc2_by_gemm1 else "")
+            + (f"_ring{DECODE_DEEP_RING_STAGES}" if deep_ring else ""))
 
 
 def decode_partial_floats(pairs: int, n1: int, hidden: int) -> int:
@@ -667,11 +678,22 @@ def decode_fc2_by_gemm1(problem) -> bool:
 def decode_kernel_for(problem) -> str:
     """The FUSED_DECODE kernel form `problem` launches: the one that splits GEMM2's K where DECODE_SPLIT_GEMM2 allows
     it, decode_splits_gemm2 expects it to pay and it is linked, else the unsplit one; in its fc2_by_gemm1 form
-    where decode_fc2_by_gemm1 says so and that is linked."""
+    where decode_fc2_by_gemm1 says so and that is linked; the unsplit fc2 form on its deep ring where
+    decode_deep_ring says so and that is linked."""
     kind = problem.activation.kind
     split = _decode_split_form_taken(kind) and _decode_gemm2_wants_split(problem)
     fc2 = decode_fc2_by_gemm1(problem) and has_kernel(decode_kernel(kind, split, True))
-    return decode_kernel(kind, split, fc2)
+    deep = fc2 and not split and decode_deep_ring(problem) and has_kernel(decode_kernel(kind, False, True, True))
+    return decode_kernel(kind, split, fc2, deep)
+
+
+def decode_deep_ring(problem) -> bool:
+    """Whether the unsplit fc2_by_gemm1 form takes its deep-ring variant (DECODE_DEEP_RING): where GEMM1's expected
+    weight tiles reach DECODE_DEEP_RING_TILES_PER_SM an SM, so CTAs stream several items back to back and the ring's
+    depth, not an item's first landing (later under a deeper burst), sets the pace."""
+    tiles1 = expected_tiles(problem.num_tokens, problem.top_k, problem.num_experts, problem.num_local_experts,
+                            DECODE_TILE) * problem.n1 / 128
+    return DECODE_DEEP_RING and tiles1 >= DECODE_DEEP_RING_TILES_PER_SM * num_sms(problem.device)
 
 
 def decode_gemm2_idle(problem) -> bool:

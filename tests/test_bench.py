@@ -359,13 +359,16 @@ def test_cli_rejects_bad_values(bad, capsys):
     assert bad[0] in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("form,flag,floor", [("rule", True, 9), ("fc2", True, 0), ("partials", False, 9)])
-def test_decode_form_sets_the_launchers_choice(form, flag, floor, monkeypatch):
+@pytest.mark.parametrize("form,flag,floor,deep", [("rule", True, 9, True), ("fc2", True, 0, True),
+                                                  ("partials", False, 9, True), ("shallow_ring", True, 9, False)])
+def test_decode_form_sets_the_launchers_choice(form, flag, floor, deep, monkeypatch):
     monkeypatch.setattr(bench.launcher, "has_kernel", lambda name: True)
     monkeypatch.setattr(bench.launcher, "DECODE_FC2_BY_GEMM1", True)
     monkeypatch.setattr(bench.launcher, "DECODE_FC2_MIN_RANGE_STEPS", 9)
+    monkeypatch.setattr(bench.launcher, "DECODE_DEEP_RING", True)
     bench.force_decode_form(form)
-    assert (bench.launcher.DECODE_FC2_BY_GEMM1, bench.launcher.DECODE_FC2_MIN_RANGE_STEPS) == (flag, floor)
+    assert (bench.launcher.DECODE_FC2_BY_GEMM1, bench.launcher.DECODE_FC2_MIN_RANGE_STEPS,
+            bench.launcher.DECODE_DEEP_RING) == (flag, floor, deep)
 
 
 def test_decode_form_is_refused_when_its_objects_are_not_linked(monkeypatch):

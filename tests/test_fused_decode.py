@@ -69,6 +69,25 @@ def test_fused_decode_k_ranges_and_expert_parallelism(shape, ep_rank):
     check(case)
 
 
+
+@pytest.mark.parametrize("act", ["swiglu", "swiglu_oai"])
+@pytest.mark.parametrize("tokens,top_k,shape", [(1, 8, (1024, 512)), (8, 8, (2048, 768)), (16, 4, (2944, 384)),
+                                                (64, 1, (1024, 256))], ids=str)
+def test_fused_decode_deep_ring_matches_reference(act, tokens, top_k, shape, fc2_form, monkeypatch):
+    """The unsplit fc2 form's deep-ring variant (launcher.decode_deep_ring, forced: these problems are too small to
+    reach its threshold) over GEMM1 runs shorter than its 6 stages, longer, and of an odd step count."""
+    if not fc2_form:
+        pytest.skip("a variant of the fc2_by_gemm1 form")
+    name = launcher.decode_kernel("swiglu", False, True, True)
+    if not launcher.has_kernel(name):
+        pytest.fail(f"the launcher links no {name}: rebuild the kernels (python -m moe_ext.kernels.sm90.build)")
+    monkeypatch.setattr(launcher, "decode_deep_ring", lambda problem: True)
+    hidden, inter = shape
+    case = make_case("w4a16", act, num_tokens=tokens, top_k=top_k, num_experts=16, hidden=hidden, inter=inter,
+                     seed=tokens + hidden, invalid_fraction=0.1, weight_scale=0.02).to("cuda")
+    assert launcher.decode_kernel_for(build_problem(**case.kwargs(use_fused_finalize=True))) == name
+    check(case)
+
 def test_fused_decode_crowded_and_repeated_experts():
     """Every pair on two experts (one expert gets 40 rows: five 8-row tiles), tokens that name an expert twice,
     and a token with no local expert at all."""

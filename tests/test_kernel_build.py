@@ -40,7 +40,7 @@ def test_every_shipped_kernel_compiles_for_sm90a(built_kernels):
     assert names == ["moe_routing", *gemms, "moe_routing_decode_nvfp4", "moe_routing_decode_mxfp8",
                      "moe_routing_decode_bf16", "moe_fc2_quant_per_token", "moe_finalize",
                      *(f"moe_decode_w4a16_{kind}{form}" for kind in ("swiglu", "situ", "geglu_tanh", "relu2")
-                       for form in ("", "_fc2", "_split2", "_split2_fc2"))]
+                       for form in ("", "_fc2", "_split2", "_split2_fc2")), "moe_decode_w4a16_swiglu_fc2_ring6"]
     table = (tmp_path / "kernel_table.inc").read_text()
     assert all(f'{{"{name}",' in table for name in names)
     for name in names:
@@ -367,7 +367,7 @@ def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):
         assert counts["LDL"] + counts["STL"] == 0, name
 
 
-@pytest.mark.parametrize("form", ["", "_split2", "_fc2", "_split2_fc2"])
+@pytest.mark.parametrize("form", ["", "_split2", "_fc2", "_split2_fc2", "_fc2_ring6"])
 def test_fused_decode_kernels_fit_the_instruction_cache_and_do_not_spill(built_kernels, kernel_sass, form):
     """The one-launch forward (decode_fused.py) runs both GEMMs through one mainloop: its first build, with two
     unrolled copies of everything, was 13,184 instructions and 41% of its stall samples waited for instruction
@@ -377,7 +377,7 @@ def test_fused_decode_kernels_fit_the_instruction_cache_and_do_not_spill(built_k
     issues a thread's token loads before its first store into the token tile (task by task each load waited for the
     previous store, 3.5 us at T=1), and issues GEMM1's first chunk's before its weight copies (the partials forms'
     GEMM2 items issue theirs before they wait for their tokens)."""
-    for kind in ("swiglu", "situ", "geglu_tanh", "relu2"):
+    for kind in ("swiglu",) if form.endswith("_ring6") else ("swiglu", "situ", "geglu_tanh", "relu2"):
         listing = kernel_sass.sass(str(built_kernels / f"moe_decode_w4a16_{kind}{form}.o"))
         counts = kernel_sass.opcode_counts(listing)
         spills = {"_split2": 30}.get(form, 0)
@@ -409,6 +409,8 @@ def test_launcher_mirrors_the_fused_decode_kernels_constants():
     assert launcher.DECODE_CTAS_PER_SM == decode_fused.CONFIG.ctas_per_sm
     assert launcher.DECODE_GEMM2_MIN_STEPS == decode_fused.GEMM2_MIN_STEPS
     assert launcher.DECODE_READINESS_WORD == decode_fused.READINESS_WORD
+    assert launcher.DECODE_DEEP_RING_STAGES == decode_fused.DEEP_CONFIG.stages
+    assert launcher.DECODE_CTAS_PER_SM == decode_fused.DEEP_CONFIG.ctas_per_sm
 
 
 def test_fused_decode_timeline_build_marks_its_points_outside_the_mainloop(tmp_path, kernel_sass):

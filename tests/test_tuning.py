@@ -585,6 +585,38 @@ def test_fused_decode_builds_the_fc2_input_in_gemm1_but_where_short_k_ranges_mee
     assert not launcher.decode_kernel_for(problem).endswith("_fc2")
 
 
+
+@pytest.mark.parametrize("point,deep", [
+    ((2, 8, 128, 128, 2048, 768), False),  # Qwen3-30B-A3B T=2: 1.4 GEMM1 tiles an SM (0.35 µs slower deep)
+    ((4, 8, 128, 128, 2048, 768), True),  # T=4: 2.6 (2.0% faster)
+    ((8, 8, 128, 128, 2048, 768), True),  # T=8: 4.7 (3.4%)
+    ((4, 8, 256, 32, 7168, 2048), False),  # DeepSeek-V3 EP8 T=4: 0.9 (1.85 µs slower)
+    ((8, 8, 256, 32, 7168, 2048), False),  # T=8: 1.7 (level)
+    ((1, 8, 256, 256, 7168, 2048), False),  # DeepSeek-V3 T=1: 1.9
+    ((2, 8, 256, 256, 7168, 2048), True),  # T=2: 3.8 (0.6%)
+    ((8, 8, 256, 256, 7168, 2048), True),  # T=8: 13.9 (1.65%)
+    ((2, 2, 8, 8, 4096, 14336), False),  # Mixtral T=2: GEMM2 splits K (no deep-ring variant)
+    ((8, 2, 8, 8, 4096, 14336), True),  # T=8: 12.2 (1.0%)
+], ids=["qwen3_t2", "qwen3_t4", "qwen3_t8", "ep8_t4", "ep8_t8", "dsv3_t1", "dsv3_t2", "dsv3_t8", "mixtral_t2",
+        "mixtral_t8"])
+def test_fused_decode_takes_the_deep_ring_where_ctas_stream_several_items(monkeypatch, point, deep):
+    """decode_kernel_for takes the unsplit fc2 form's deep-ring variant from DECODE_DEEP_RING_TILES_PER_SM GEMM1
+    weight tiles an SM (where it measured faster, h100_session44_checks.md), never for the other forms, with
+    DECODE_DEEP_RING off or the object not linked."""
+    from moe_ext import launcher
+
+    monkeypatch.setattr(launcher, "num_sms", lambda device: 132)
+    monkeypatch.setattr(launcher, "has_kernel", lambda name: True)
+    problem = decode_problem(*point)
+    form = launcher.decode_kernel_for(problem)
+    assert form.endswith("_fc2_ring6") == deep, form
+    if deep:
+        monkeypatch.setattr(launcher, "has_kernel", lambda name: not name.endswith("_ring6"))
+        assert launcher.decode_kernel_for(problem).endswith("_fc2")
+        monkeypatch.setattr(launcher, "has_kernel", lambda name: True)
+        monkeypatch.setattr(launcher, "DECODE_DEEP_RING", False)
+        assert launcher.decode_kernel_for(problem).endswith("_fc2")
+
 def test_fused_decode_splits_gemm2_where_few_items_of_a_long_k_leave_the_grid_idle():
     """The split-GEMM2 form where the expected GEMM2 items (a tile an expert hit x 128 hidden rows) leave room for
     two K ranges of 4+ steps each on the two-CTA grid of 132 SMs: the points session 36 measured faster split

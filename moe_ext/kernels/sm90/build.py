@@ -78,6 +78,10 @@ def specialisations():
     specs += [(decode_kernel(kind, split, fc2),
                functools.partial(decode_fused.compile_decode, kind, split_gemm2=split, fc2_by_gemm1=fc2))
               for kind in activations.KINDS for split in (False, True) for fc2 in (False, True)]
+    # The unsplit fc2 form's deep-ring variant, for SwiGLU alone: the kind it was measured and tested on
+    # (launcher.DECODE_DEEP_RING).
+    specs.append((decode_kernel("swiglu", False, True, True),
+                  functools.partial(decode_fused.compile_decode, "swiglu", fc2_by_gemm1=True, deep_ring=True)))
     return specs
 
 

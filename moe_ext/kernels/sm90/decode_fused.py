@@ -65,6 +65,11 @@ CONFIG = replace(streaming.config_for(TOKENS, 1), token_elems=TOKENS * 2048)
 # (h100_session44_checks.md). The fc2 forms keep the unrolled pass: without it Qwen3 T=2 and Mixtral T=1-4
 # (DeepSeek-V3 EP8 T=8 too) ran 0.3-2.3 us slower.
 PARTIALS_CONFIG = replace(CONFIG, unroll_ring=False)
+# The fc2 form's deep-ring variant (make_kernel's deep_ring): 6 stages in a loop (no spills; unrolled, or 8
+# stages, it spilled). H100 graph replays, two rounds: 0.6-3.4% faster where CTAs stream several items (Qwen3-30B-A3B
+# T = 4 / 8, DeepSeek-V3 T = 2-8, Mixtral T = 4 / 8), slower where an item's first landing sets the pace (EP8 T=4
+# 1.85 us, Qwen3 T=2 0.35): a burst of 6 stages a CTA lands later (launcher.decode_deep_ring picks).
+DEEP_CONFIG = replace(CONFIG, stages=6, unroll_ring=False)
 BLOCK = 16  # NVFP4 weight scales
 # The timeline build (make_kernel's `timeline`): thread 0 of each CTA writes TIMELINE_WORDS u32 words at
 # TIMELINE[...] past the count buffer's words (launcher.decode_count_words), CTA after CTA; the caller allocates
@@ -284,7 +289,7 @@ def gemm1_epilogue(sm, plan: RoutePlan, tid, partials: cute.Tensor, barrier: cut
 
 
 def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = False, timeline: bool = False,
-                fc2_by_gemm1: bool = False):
+                fc2_by_gemm1: bool = False, deep_ring: bool = False):
     """gemms: which GEMM phases run their items (a timing variant without one of them times the rest of the
     kernel: benchmarks/decode_phase_variants.py); the routing, the zeroing and the counts always run.
     split_gemm2: GEMM2 items split K too (GEMM2_MIN_STEPS). A separate build: the arrival and the sum of the
@@ -293,9 +298,12 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
     fc2_by_gemm1: GEMM1's epilogues build the bf16 FC2 input (gemm1_epilogue) and both GEMMs stage their tokens
     with the first chunk's loads issued ahead of the weight copies (stream.LoadsFirst); otherwise GEMM2's staging
     sums GEMM1's partials and applies the activation, in a loop after the copies (stream.TokenLoads). Neither is
-    faster everywhere (launcher.decode_fc2_by_gemm1)."""
+    faster everywhere (launcher.decode_fc2_by_gemm1).
+    deep_ring: the unsplit fc2_by_gemm1 form's mainloop on DEEP_CONFIG's ring."""
+    if deep_ring and (split_gemm2 or not fc2_by_gemm1):
+        raise ValueError("deep_ring: only the unsplit fc2_by_gemm1 form has a deep-ring variant")
     gated = kind != "relu2"
-    cfg = CONFIG if fc2_by_gemm1 else PARTIALS_CONFIG
+    cfg = DEEP_CONFIG if deep_ring else CONFIG if fc2_by_gemm1 else PARTIALS_CONFIG
     threads = cfg.threads
     out_cols = cfg.rows * TOKENS // threads  # GEMM epilogues: accumulator columns per thread (4)
 
@@ -541,12 +549,12 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
 
 
 def compile_decode(kind: str, options: str, gemms: tuple = (True, True), split_gemm2: bool = False,
-                   timeline: bool = False, fc2_by_gemm1: bool = False):
+                   timeline: bool = False, fc2_by_gemm1: bool = False, deep_ring: bool = False):
     from .fake_args import vector
 
     u8 = cutlass.Uint8
     return cute.compile(
-        make_kernel(kind, gemms, split_gemm2, timeline, fc2_by_gemm1), vector(BFloat16, 16), vector(Int32),
+        make_kernel(kind, gemms, split_gemm2, timeline, fc2_by_gemm1, deep_ring), vector(BFloat16, 16), vector(Int32),
         vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32), vector(u8, 16), vector(u8, 16),
         vector(Float32), vector(BFloat16, 16), vector(Float32, 16), vector(Int32), Int32(128), Int32(128),
         Int32(256), Int32(1), Int32(1), Int32(0), Float32(0), Float32(0), Float32(0), Float32(0), Int32(1),
