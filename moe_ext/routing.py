@@ -57,13 +57,13 @@ def expected_tile_fill(num_tokens: int, top_k: int, num_experts: int, tile: int)
     return mean * mass / padded
 
 
-
 def expected_tiles(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, tile: int) -> float:
     """Mean `tile`-row routing tiles of the local experts under a random routing: each expert's Binomial(T, k/E)
     rows padded to whole tiles (expected_tile_fill). Where experts average fewer rows than a tile this is about
     expected_experts_hit; past that it also counts an expert's second and later tiles."""
     rows = num_tokens * min(1.0, top_k / num_experts)
     return num_local_experts * rows / (expected_tile_fill(num_tokens, top_k, num_experts, tile) * tile)
+
 
 @dataclass
 class Routing:

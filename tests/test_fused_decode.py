@@ -69,7 +69,6 @@ def test_fused_decode_k_ranges_and_expert_parallelism(shape, ep_rank):
     check(case)
 
 
-
 @pytest.mark.parametrize("act", ["swiglu", "swiglu_oai"])
 @pytest.mark.parametrize("tokens,top_k,shape", [(1, 8, (1024, 512)), (8, 8, (2048, 768)), (16, 4, (2944, 384)),
                                                 (64, 1, (1024, 256))], ids=str)
@@ -87,6 +86,7 @@ def test_fused_decode_deep_ring_matches_reference(act, tokens, top_k, shape, fc2
                      seed=tokens + hidden, invalid_fraction=0.1, weight_scale=0.02).to("cuda")
     assert launcher.decode_kernel_for(build_problem(**case.kwargs(use_fused_finalize=True))) == name
     check(case)
+
 
 def test_fused_decode_crowded_and_repeated_experts():
     """Every pair on two experts (one expert gets 40 rows: five 8-row tiles), tokens that name an expert twice,

@@ -295,7 +295,6 @@ def test_expected_tile_fill_matches_sampled_routings(num_tokens, top_k, num_expe
         assert expected_tile_fill(num_tokens, top_k, num_experts, tile) == pytest.approx(sampled, abs=0.02), tile
 
 
-
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,num_local", [(1, 8, 128, 128), (8, 8, 256, 256), (8, 8, 256, 32),
                                                                     (16, 4, 128, 128), (16, 2, 8, 8), (32, 2, 8, 8)])
 def test_expected_tiles_match_sampled_routings(num_tokens, top_k, num_experts, num_local):
@@ -311,6 +310,7 @@ def test_expected_tiles_match_sampled_routings(num_tokens, top_k, num_experts, n
     assert expected == pytest.approx(sampled, rel=0.03)
     if num_tokens * top_k / num_experts <= 1:
         assert expected == pytest.approx(expected_experts_hit(num_tokens, top_k, num_experts, num_local), rel=0.01)
+
 
 def test_default_tactic_takes_the_padded_tile_where_it_multiplies_fewer_rows_by_the_margin():
     """Where offered, the 144-row tile replaces the 128-row one where expected_tile_fill gains PADDED_TILE_MIN_GAIN
@@ -585,7 +585,6 @@ def test_fused_decode_builds_the_fc2_input_in_gemm1_but_where_short_k_ranges_mee
     assert not launcher.decode_kernel_for(problem).endswith("_fc2")
 
 
-
 @pytest.mark.parametrize("point,deep", [
     ((2, 8, 128, 128, 2048, 768), False),  # Qwen3-30B-A3B T=2: 1.4 GEMM1 tiles an SM (0.35 µs slower deep)
     ((4, 8, 128, 128, 2048, 768), True),  # T=4: 2.6 (2.0% faster)
@@ -616,6 +615,7 @@ def test_fused_decode_takes_the_deep_ring_where_ctas_stream_several_items(monkey
         monkeypatch.setattr(launcher, "has_kernel", lambda name: True)
         monkeypatch.setattr(launcher, "DECODE_DEEP_RING", False)
         assert launcher.decode_kernel_for(problem).endswith("_fc2")
+
 
 def test_fused_decode_splits_gemm2_where_few_items_of_a_long_k_leave_the_grid_idle():
     """The split-GEMM2 form where the expected GEMM2 items (a tile an expert hit x 128 hidden rows) leave room for
