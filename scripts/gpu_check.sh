@@ -20,7 +20,8 @@
 #   fused_decode: tests/test_fused_decode.py, then whole forwards of the heuristic's tactic against FUSED_DECODE
 #              (8,-3,-3) at $DECODE_SHAPES x $DECODE_TOKENS (default T = 1, 2, 4, 8), $AB_ROUNDS interleaved rounds
 #   decode_forms: whole forwards (heuristic's tactic) with each FUSED_DECODE form of $DECODE_FORMS (bench's
-#              --decode-form: rule, fc2, partials) at $DECODE_SHAPES x $DECODE_TOKENS, $AB_ROUNDS interleaved rounds
+#              --decode-form: rule, fc2, partials, shallow_ring, split_gemm2) at $DECODE_SHAPES x $DECODE_TOKENS,
+#              $AB_ROUNDS interleaved rounds
 #   ab_tactics: per-kernel profile of each tactic of $AB_TACTICS ("default" or "tile,split1,split2") at $AB_POINTS
 #   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels);
 #              $SWEEP_TOKENS and $SWEEP_SHAPES narrow it

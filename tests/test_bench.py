@@ -352,23 +352,41 @@ def test_host_time_is_the_median_batch_so_one_stalled_batch_does_not_decide(monk
 
 @pytest.mark.parametrize("bad", [["--shapes", "llama"], ["--modes", "w8a8"], ["--tokens", "0"],
                                  ["--tokens", "a,b"], ["--impls", "cublas"], ["--finalize", "atomic"],
-                                 ["--iters", "0"], ["--tactic", "fastest"], ["--decode-form", "split"]])
+                                 ["--iters", "0"], ["--tactic", "fastest"], ["--decode-form", "splitk"]])
 def test_cli_rejects_bad_values(bad, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(bad)
     assert bad[0] in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("form,flag,floor,deep", [("rule", True, 9, True), ("fc2", True, 0, True),
-                                                  ("partials", False, 9, True), ("shallow_ring", True, 9, False)])
-def test_decode_form_sets_the_launchers_choice(form, flag, floor, deep, monkeypatch):
+@pytest.mark.parametrize("form,flag,floor,deep,gemm2_steps", [
+    ("rule", True, 9, True, 4), ("fc2", True, 0, True, 4), ("partials", False, 9, True, 4),
+    ("shallow_ring", True, 9, False, 4), ("split_gemm2", True, 9, True, 1)])
+def test_decode_form_sets_the_launchers_choice(form, flag, floor, deep, gemm2_steps, monkeypatch):
     monkeypatch.setattr(bench.launcher, "has_kernel", lambda name: True)
     monkeypatch.setattr(bench.launcher, "DECODE_FC2_BY_GEMM1", True)
     monkeypatch.setattr(bench.launcher, "DECODE_FC2_MIN_RANGE_STEPS", 9)
     monkeypatch.setattr(bench.launcher, "DECODE_DEEP_RING", True)
+    monkeypatch.setattr(bench.launcher, "DECODE_GEMM2_MIN_STEPS", 4)
     bench.force_decode_form(form)
     assert (bench.launcher.DECODE_FC2_BY_GEMM1, bench.launcher.DECODE_FC2_MIN_RANGE_STEPS,
-            bench.launcher.DECODE_DEEP_RING) == (flag, floor, deep)
+            bench.launcher.DECODE_DEEP_RING, bench.launcher.DECODE_GEMM2_MIN_STEPS) == (flag, floor, deep, gemm2_steps)
+
+
+def test_split_gemm2_form_takes_the_split_kernel_at_qwen3_t1(monkeypatch):
+    """What --decode-form split_gemm2 is for: Qwen3-30B-A3B T=1's 6-step GEMM2 items, unsplit under the rule, take
+    the split form (128 items leave the 264-CTA grid room for two ranges)."""
+    import types
+
+    monkeypatch.setattr(bench.launcher, "has_kernel", lambda name: True)
+    monkeypatch.setattr(bench.launcher, "num_sms", lambda device: 132)
+    monkeypatch.setattr(bench.launcher, "DECODE_GEMM2_MIN_STEPS", 4)
+    problem = types.SimpleNamespace(num_tokens=1, top_k=8, num_experts=128, num_local_experts=128, hidden_size=2048,
+                                    intermediate_size=768, n1=1536, device=None,
+                                    activation=types.SimpleNamespace(kind="swiglu"))
+    assert bench.launcher.decode_kernel_for(problem) == "moe_decode_w4a16_swiglu"
+    bench.force_decode_form("split_gemm2")
+    assert bench.launcher.decode_kernel_for(problem) == "moe_decode_w4a16_swiglu_split2"
 
 
 def test_decode_form_is_refused_when_its_objects_are_not_linked(monkeypatch):
