@@ -437,6 +437,13 @@ def tactics(tiles: tuple, wgmma: bool = False, wide: tuple = (False, False), thr
     return out
 
 
+def decode_gemm1_tiles(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, n1: int) -> float:
+    """GEMM1's expected 128-row weight tiles in the one-launch decode: its 8-token routing tiles
+    (routing.expected_tiles) x n1 / 128. FUSED_DECODE_TILES_PER_SM and DECODE_DEEP_RING_TILES_PER_SM are measured
+    in it."""
+    return expected_tiles(num_tokens, top_k, num_experts, num_local_experts, DECODE_TILE) * n1 / 128
+
+
 def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, n1: int, hidden: int,
                    tiles: tuple, num_sms: int, wgmma: bool = False, wide: tuple = (False, False),
                    three_ctas: bool = False, narrow_wgmma: tuple = (), fused_decode: bool = False,
@@ -483,7 +490,7 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     DEFAULT_FUSED_DECODE.
     """
     if fused_decode and num_tokens * top_k <= DECODE_MAX_PAIRS:
-        tiles1 = expected_tiles(num_tokens, top_k, num_experts, num_local_experts, DECODE_TILE) * n1 / 128
+        tiles1 = decode_gemm1_tiles(num_tokens, top_k, num_experts, num_local_experts, n1)
         if tiles1 <= num_sms or (tiles1 <= FUSED_DECODE_TILES_PER_SM * num_sms and not decode_gemm2_idle):
             return (DECODE_TILE, FUSED_DECODE, FUSED_DECODE)
     local_slots = num_tokens * top_k * num_local_experts / max(1, num_experts)
@@ -691,8 +698,8 @@ def decode_deep_ring(problem) -> bool:
     """Whether the unsplit fc2_by_gemm1 form takes its deep-ring variant (DECODE_DEEP_RING): where GEMM1's expected
     weight tiles reach DECODE_DEEP_RING_TILES_PER_SM an SM, so CTAs stream several items back to back and the ring's
     depth, not an item's first landing (later under a deeper burst), sets the pace."""
-    tiles1 = expected_tiles(problem.num_tokens, problem.top_k, problem.num_experts, problem.num_local_experts,
-                            DECODE_TILE) * problem.n1 / 128
+    tiles1 = decode_gemm1_tiles(problem.num_tokens, problem.top_k, problem.num_experts, problem.num_local_experts,
+                                problem.n1)
     return DECODE_DEEP_RING and tiles1 >= DECODE_DEEP_RING_TILES_PER_SM * num_sms(problem.device)
 
 

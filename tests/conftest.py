@@ -239,3 +239,12 @@ def kernel_fc2_input_per_token(problem, monkeypatch) -> dict:
     assert torch.equal(expanded, expanded_after)
     ref = nvfp4_quantize_per_token(h.float(), float(problem.fc2_input_scale[0]))
     return dict(expanded=expanded, h=h, decoded=decoded, row_scale=row_scale, ref=ref)
+
+
+def decode_problem(T, k, E, E_local, H, I):
+    """The fields of a SwiGLU MoEProblem that the launcher's FUSED_DECODE rules read."""
+    import types
+
+    return types.SimpleNamespace(num_tokens=T, top_k=k, num_experts=E, num_local_experts=E_local, hidden_size=H,
+                                 intermediate_size=I, n1=2 * I, device=None,
+                                 activation=types.SimpleNamespace(kind="swiglu"))

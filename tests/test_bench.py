@@ -15,7 +15,7 @@ import moe_ext
 from moe_ext import bench, bench_peers
 from moe_ext.backends import HOPPER, REFERENCE
 from moe_ext.bench_peers import bucket_counts, grouped_mm_moe, peer_swiglu, route_buckets
-from conftest import gpu, hopper_kernels
+from conftest import decode_problem, gpu, hopper_kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED_KEYS = {"shape", "T", "quant_mode", "finalize", "impl", "us", "tbps", "tflops", "roofline_fraction",
@@ -376,14 +376,10 @@ def test_decode_form_sets_the_launchers_choice(form, flag, floor, deep, gemm2_st
 def test_split_gemm2_form_takes_the_split_kernel_at_qwen3_t1(monkeypatch):
     """What --decode-form split_gemm2 is for: Qwen3-30B-A3B T=1's 6-step GEMM2 items, unsplit under the rule, take
     the split form (128 items leave the 264-CTA grid room for two ranges)."""
-    import types
-
     monkeypatch.setattr(bench.launcher, "has_kernel", lambda name: True)
     monkeypatch.setattr(bench.launcher, "num_sms", lambda device: 132)
     monkeypatch.setattr(bench.launcher, "DECODE_GEMM2_MIN_STEPS", 4)
-    problem = types.SimpleNamespace(num_tokens=1, top_k=8, num_experts=128, num_local_experts=128, hidden_size=2048,
-                                    intermediate_size=768, n1=1536, device=None,
-                                    activation=types.SimpleNamespace(kind="swiglu"))
+    problem = decode_problem(1, 8, 128, 128, 2048, 768)
     assert bench.launcher.decode_kernel_for(problem) == "moe_decode_w4a16_swiglu"
     bench.force_decode_form("split_gemm2")
     assert bench.launcher.decode_kernel_for(problem) == "moe_decode_w4a16_swiglu_split2"

@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_case
+from conftest import decode_problem, make_case
 
 import moe_ext
 from moe_ext.backends import op_key
@@ -526,15 +526,6 @@ def test_hopper_default_tactic_takes_the_fused_decode_up_to_eighteen_gemm1_tiles
     assert default(32, 2, 8, 8, 28672, 4096) != fused  # T=32: ~11.2 tiles x 224 (19.1 an SM), 8 experts: 0.84x
     assert default(64, 1, 4096, 4096, 128, 128) == fused  # 64 (token, expert) pairs fit the kernel's routing ...
     assert default(72, 1, 4096, 4096, 128, 128) != fused  # ... 72 do not
-
-
-def decode_problem(T, k, E, E_local, H, I):
-    """The fields of a SwiGLU MoEProblem that the launcher's FUSED_DECODE rules read."""
-    import types
-
-    return types.SimpleNamespace(num_tokens=T, top_k=k, num_experts=E, num_local_experts=E_local, hidden_size=H,
-                                 intermediate_size=I, n1=2 * I, device=None,
-                                 activation=types.SimpleNamespace(kind="swiglu"))
 
 
 def test_fused_decode_form_and_idle_gemm2_follow_the_split_switch(monkeypatch):
