@@ -50,7 +50,7 @@ TOKENS = 8  # rows of a routing tile: one mma.sync n8 column block
 MAX_PAIRS = 64  # T * top_k the in-kernel routing holds (shared-memory arrays of this length)
 MAX_SPLITS = 8  # K ranges of a weight tile: the partials workspace holds this many tiles
 # GEMM2 K steps a range at least: Qwen3-30B-A3B T=1's 2 ranges of 3 steps were 1.07x slower than one
-# (h200_session36_checks.md)
+# (h200_session36_checks.md; on the H100 with session 44's kernel, 22.8 against 21.1 us: h100_session45_checks.md)
 GEMM2_MIN_STEPS = 4
 # Weight stages a GEMM2 item of the partials forms issues before it waits for its routing tile (stream.TokensReady),
 # so they land while it waits and its partial loads after the wait do not queue behind them (H100, session 43:
