@@ -32,6 +32,8 @@
 #              ($NCU_PROFILE_ARGS go to profile_kernels.py, e.g. "--min-local-pairs 1" for EP8 at T=1)
 #   routing_cost: graph replays with and without the routing launch at small T ($ROUTING_POINTS), into $OUT
 #   tma_stream: benchmarks/tma_box_stream.cu, the TMA copy path alone (box widths, bytes in flight, L2 promotion)
+#   launch_cost: benchmarks/graph_launch_cost.cu, a one-node graph's replay against its kernel's span per launch
+#              attribute set (cooperative, PDL: the one-launch decode's), into $OUT/graph_launch_cost.txt
 #   tile_choice: per-kernel times of the default tactic vs (128, wgmma, wgmma) where experts get 16-64 rows; T=16384
 #   examples:  install, memcheck of every kernel, the examples, host overhead, fused vs deterministic finalize
 #   bench:     install, the whole-forward benchmark against the peers, host overhead, per-kernel profile
@@ -71,9 +73,9 @@ export MOE_EXT_KERNEL_DIR=${MOE_EXT_KERNEL_DIR:-$PWD/.kernels}
 } > "$LOG/env.txt" 2>&1
 : > "$OUT/summary.txt"
 # ab_wgmma, ab_bench and timeline install their directories themselves, formats needs no launcher (it JIT-compiles
-# its kernels) and tma_stream only nvcc: alone, none of them installs the default one first.
+# its kernels) and tma_stream and launch_cost only nvcc: alone, none of them installs the default one first.
 if [ "$PARTS" != ab_wgmma ] && [ "$PARTS" != ab_bench ] && [ "$PARTS" != formats ] && [ "$PARTS" != tma_stream ] \
-   && [ "$PARTS" != timeline ]; then
+   && [ "$PARTS" != timeline ] && [ "$PARTS" != launch_cost ]; then
   MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install.log" 2>&1
   echo "install rc=$?" | tee -a "$OUT/summary.txt"
 fi
@@ -249,6 +251,10 @@ elif [ "$PART" = tma_stream ]; then  # no launcher, no CuTe-DSL: nvcc and the dr
   step tma_stream 120 bash -c "nvcc -O2 -std=c++17 -arch=sm_90a -o '$LOG/tma_box_stream' benchmarks/tma_box_stream.cu \
     && '$LOG/tma_box_stream'"
   cp "$LOG/tma_stream.log" "$OUT/tma_box_stream.txt"
+elif [ "$PART" = launch_cost ]; then  # no launcher, no CuTe-DSL: nvcc and the driver only
+  step launch_cost 120 bash -c "nvcc -O2 -std=c++17 -arch=sm_90a -o '$LOG/graph_launch_cost' \
+    benchmarks/graph_launch_cost.cu && '$LOG/graph_launch_cost'"
+  cp "$LOG/launch_cost.log" "$OUT/graph_launch_cost.txt"
 elif [ "$PART" = ab_tactics ]; then  # AB_TACTICS: tactics ("default": the heuristic's), profiled at $AB_POINTS
   profile_tactics prefill_tactic_ ""
 elif [ "$PART" = sweep ]; then  # issue 4's sweep, w4a16 fused, all three impls (carry .offline/triton_kernels_v3.6)
