@@ -4,7 +4,8 @@
 // an H100 while the kernel's own span (first CTA start to last CTA end, its timeline build) is ~18.4 us. This
 // replays a kernel that only stamps each CTA's start and end (global timer) under each attribute set and prints,
 // per set: the median replay between events (as moe_ext.bench times it), the median kernel span inside it, and
-// what is left (launch and completion overhead a forward cannot avoid), plus back-to-back replays per graph.
+// what is left (launch and completion overhead a forward cannot avoid), plus back-to-back replays per graph and
+// the smallest step seen between CTA stamps (the global timer's resolution bounds the span's).
 //
 //   nvcc -O2 -std=c++17 -arch=sm_90a -o /tmp/graph_launch_cost benchmarks/graph_launch_cost.cu
 //   /tmp/graph_launch_cost
@@ -120,6 +121,7 @@ int main() {
     for (int i = 0; i < 20; ++i) CHECK(cudaGraphLaunch(exec, stream));
     CHECK(cudaStreamSynchronize(stream));
     std::vector<double> replays, spans;
+    uint64_t tick = ~0ull;  // the global timer's resolution as seen here: the smallest step between CTA stamps
     for (int i = 0; i < iters; ++i) {  // one replay at a time: its span is read back after it
       spin<<<1, 1, 0, stream>>>(20000);  // 20 us ahead of the host
       CHECK(cudaEventRecord(marks[0], stream));
@@ -134,6 +136,10 @@ int main() {
       uint64_t first = *std::min_element(host_starts.begin(), host_starts.begin() + ctas);
       uint64_t last = *std::max_element(host_ends.begin(), host_ends.begin() + ctas);
       spans.push_back((last - first) * 1e-3);
+      std::vector<uint64_t> stamps(host_starts.begin(), host_starts.begin() + ctas);
+      std::sort(stamps.begin(), stamps.end());
+      for (int c = 1; c < ctas; ++c)
+        if (stamps[c] > stamps[c - 1]) tick = std::min(tick, stamps[c] - stamps[c - 1]);
     }
     spin<<<1, 1, 0, stream>>>(iters * 10000ull);
     CHECK(cudaEventRecord(marks[0], stream));
@@ -143,7 +149,8 @@ int main() {
     float ms = 0;
     CHECK(cudaEventElapsedTime(&ms, marks[0], marks[iters]));
     const double replay = median(replays), span = median(spans);
-    std::printf("%-52s %6.2f %6.2f %6.2f %6.2f\n", v.name, replay, span, replay - span, ms * 1e3 / iters);
+    std::printf("%-52s %6.2f %6.2f %6.2f %6.2f  (timer step %llu ns)\n", v.name, replay, span, replay - span,
+                ms * 1e3 / iters, static_cast<unsigned long long>(tick));
     CHECK(cudaGraphExecDestroy(exec));
   }
   return 0;
