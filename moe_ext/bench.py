@@ -1023,9 +1023,9 @@ def force_decode_form(form: str) -> None:
     kernel still sizes its ranges by its own decode_fused.GEMM2_MIN_STEPS: a build with a lower one is what this
     times), "gemm2_rows64" turns the partials form's 64-row GEMM2 variant on. Refused when the form is not linked
     (the launcher would run the other one)."""
-    needs = {"fc2": (False, True), "partials": (False, False), "split_gemm2": (True, False),
-             "gemm2_rows64": (False, False, False, True)}.get(form)
-    if needs and not launcher.has_kernel(launcher.decode_kernel("swiglu", *needs)):
+    needs = {"fc2": dict(fc2_by_gemm1=True), "partials": {}, "split_gemm2": dict(split_gemm2=True),
+             "gemm2_rows64": dict(gemm2_rows64=True)}.get(form)
+    if needs is not None and not launcher.has_kernel(launcher.decode_kernel("swiglu", **needs)):
         raise SystemExit(f"--decode-form {form}: the launcher links no such decode objects (a build older than the "
                          "tree?)")
     if form == "fc2":

@@ -698,9 +698,9 @@ def decode_kernel_for(problem) -> str:
     kind = problem.activation.kind
     split = _decode_split_form_taken(kind) and _decode_gemm2_wants_split(problem)
     fc2 = decode_fc2_by_gemm1(problem) and has_kernel(decode_kernel(kind, split, True))
-    deep = fc2 and not split and decode_deep_ring(problem) and has_kernel(decode_kernel(kind, False, True, True))
-    rows64 = (DECODE_GEMM2_ROWS64 and not (fc2 or split)
-              and has_kernel(decode_kernel(kind, False, False, False, True)))
+    deep = (fc2 and not split and decode_deep_ring(problem)
+            and has_kernel(decode_kernel(kind, fc2_by_gemm1=True, deep_ring=True)))
+    rows64 = DECODE_GEMM2_ROWS64 and not (fc2 or split) and has_kernel(decode_kernel(kind, gemm2_rows64=True))
     return decode_kernel(kind, split, fc2, deep, rows64)
 
 

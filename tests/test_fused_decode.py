@@ -36,6 +36,15 @@ def fc2_form(request, monkeypatch):
     return by_gemm1
 
 
+def check_variant(name: str, case) -> None:
+    """check() on the FUSED_DECODE kernel variant `name` that the test forces: it must be linked and be the kernel
+    the launcher picks for the case."""
+    if not launcher.has_kernel(name):
+        pytest.fail(f"the launcher links no {name}: rebuild the kernels (python -m moe_ext.kernels.sm90.build)")
+    assert launcher.decode_kernel_for(build_problem(**case.kwargs(use_fused_finalize=True))) == name
+    check(case)
+
+
 def check(case, tactic=FUSED):
     kw = case.kwargs(use_fused_finalize=True)
     problem = build_problem(**kw)
@@ -77,15 +86,11 @@ def test_fused_decode_deep_ring_matches_reference(act, tokens, top_k, shape, fc2
     reach its threshold) over GEMM1 runs shorter than its 6 stages, longer, and of an odd step count."""
     if not fc2_form:
         pytest.skip("a variant of the fc2_by_gemm1 form")
-    name = launcher.decode_kernel("swiglu", False, True, True)
-    if not launcher.has_kernel(name):
-        pytest.fail(f"the launcher links no {name}: rebuild the kernels (python -m moe_ext.kernels.sm90.build)")
     monkeypatch.setattr(launcher, "decode_deep_ring", lambda problem: True)
     hidden, inter = shape
     case = make_case("w4a16", act, num_tokens=tokens, top_k=top_k, num_experts=16, hidden=hidden, inter=inter,
                      seed=tokens + hidden, invalid_fraction=0.1, weight_scale=0.02).to("cuda")
-    assert launcher.decode_kernel_for(build_problem(**case.kwargs(use_fused_finalize=True))) == name
-    check(case)
+    check_variant(launcher.decode_kernel("swiglu", fc2_by_gemm1=True, deep_ring=True), case)
 
 
 @pytest.mark.parametrize("act", ["swiglu", "swiglu_oai"])
@@ -97,16 +102,12 @@ def test_fused_decode_gemm2_rows64_matches_reference(act, tokens, top_k, shape, 
     idle on a step, an odd step count), several row tiles an expert."""
     if fc2_form:
         pytest.skip("a variant of the partials form")
-    name = launcher.decode_kernel("swiglu", gemm2_rows64=True)
-    if not launcher.has_kernel(name):
-        pytest.fail(f"the launcher links no {name}: rebuild the kernels (python -m moe_ext.kernels.sm90.build)")
     monkeypatch.setattr(launcher, "DECODE_GEMM2_ROWS64", True)
     monkeypatch.setattr(launcher, "DECODE_SPLIT_GEMM2", False)
     hidden, inter = shape
     case = make_case("w4a16", act, num_tokens=tokens, top_k=top_k, num_experts=16, hidden=hidden, inter=inter,
                      seed=tokens + hidden + inter, invalid_fraction=0.1, weight_scale=0.02).to("cuda")
-    assert launcher.decode_kernel_for(build_problem(**case.kwargs(use_fused_finalize=True))) == name
-    check(case)
+    check_variant(launcher.decode_kernel("swiglu", gemm2_rows64=True), case)
 
 
 def test_fused_decode_crowded_and_repeated_experts():

@@ -80,7 +80,7 @@ def specialisations():
               for kind in activations.KINDS for split in (False, True) for fc2 in (False, True)]
     # The unsplit fc2 form's deep-ring variant, for SwiGLU alone: the kind it was measured and tested on
     # (launcher.DECODE_DEEP_RING).
-    specs.append((decode_kernel("swiglu", False, True, True),
+    specs.append((decode_kernel("swiglu", fc2_by_gemm1=True, deep_ring=True),
                   functools.partial(decode_fused.compile_decode, "swiglu", fc2_by_gemm1=True, deep_ring=True)))
     # The unsplit partials form's 64-row GEMM2 variant, for SwiGLU alone (launcher.DECODE_GEMM2_ROWS64).
     specs.append((decode_kernel("swiglu", gemm2_rows64=True),
