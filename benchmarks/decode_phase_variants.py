@@ -27,8 +27,7 @@ VARIANTS = {
     "no_gemm1": [dict(gemms=(False, True))],
     "neither": [dict(gemms=(False, False))],
     "timeline": [dict(timeline=True, split_gemm2=split, fc2_by_gemm1=fc2) for split in (False, True)
-                 for fc2 in (False, True)] + [dict(timeline=True, fc2_by_gemm1=True, deep_ring=True),
-                                              dict(timeline=True, gemm2_rows64=True)],
+                 for fc2 in (False, True)] + [dict(timeline=True, fc2_by_gemm1=True, deep_ring=True)],
 }
 PHASES = "full,no_gemm2,no_gemm1,neither"
 
@@ -52,7 +51,7 @@ def main():
         for kind in args.kinds.split(","):
             for form in VARIANTS[variant]:
                 name = launcher.decode_kernel(kind, form.get("split_gemm2", False), form.get("fc2_by_gemm1", False),
-                                              form.get("deep_ring", False), form.get("gemm2_rows64", False))
+                                              form.get("deep_ring", False))
                 start = time.perf_counter()
                 compiled = decode_fused.compile_decode(kind, f"--gpu-arch {build.ARCH}", **form)
                 compiled.export_to_c(file_path=folder, file_name=name, function_prefix=name)

@@ -180,15 +180,12 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--min-local-pairs", type=int, default=1)
     parser.add_argument("--split-gemm2", action="store_true", help="let FUSED_DECODE take the split_gemm2 form")
-    parser.add_argument("--gemm2-rows64", action="store_true",
-                        help="let FUSED_DECODE take the partials form's 64-row GEMM2 variant")
     parser.add_argument("--out", default=None, help="JSON: each point's summary and its first forward's CTAs")
     args = parser.parse_args()
     from moe_ext import launcher
     from moe_ext.bench import SHAPES
 
     launcher.DECODE_SPLIT_GEMM2 = args.split_gemm2
-    launcher.DECODE_GEMM2_ROWS64 = args.gemm2_rows64
     tactic = (launcher.DECODE_TILE, launcher.FUSED_DECODE, launcher.FUSED_DECODE)
     records = []
     for text in args.points.split(","):
@@ -197,9 +194,8 @@ def main():
         decoded = [[decode_cta(words, clock_mhz) for words in forward] for forward in forwards]
         summary = summarize([forward_summary(ctas) for ctas in decoded])
         print(format_summary(f"{name} T={num_tokens} (SM clock {clock_mhz:.0f} MHz)", summary), flush=True)
-        records.append(dict(shape=name, T=int(num_tokens), split_gemm2=args.split_gemm2,
-                            gemm2_rows64=args.gemm2_rows64, clock_mhz=clock_mhz, summary=summary,
-                            first_forward=decoded[0]))
+        records.append(dict(shape=name, T=int(num_tokens), split_gemm2=args.split_gemm2, clock_mhz=clock_mhz,
+                            summary=summary, first_forward=decoded[0]))
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(records, f, indent=1)

@@ -186,13 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tactic", type=tactic_choice, default="tuned",
                         help="moe_ext's tactic: tuned (autotune on the first call), default (the heuristic's, no "
                              "tuning: for A/B runs of two kernel builds) or one given as integers, e.g. 16,1,2")
-    parser.add_argument("--decode-form", choices=("rule", "fc2", "partials", "shallow_ring", "split_gemm2",
-                                                  "gemm2_rows64"),
+    parser.add_argument("--decode-form", choices=("rule", "fc2", "partials", "shallow_ring", "split_gemm2"),
                         default="rule",
                         help="FUSED_DECODE's kernel form: the launcher's rules, one form wherever the one-launch "
-                             "forward runs, the rules without the deep-ring variant, GEMM2 split wherever the "
-                             "grid has room for two K ranges, or the partials form's 64-row GEMM2 variant wherever "
-                             "the rules take that form (A/Bs of the rules)")
+                             "forward runs, the rules without the deep-ring variant, or GEMM2 split wherever the "
+                             "grid has room for two K ranges (A/Bs of the rules)")
     parser.add_argument("--host-overhead", action="store_true",
                         help="instead of the sweep: host time of an eager wrapper.run at T=1 and the kernel nodes "
                              "of a captured forward, per shape, mode and finalize")
@@ -1021,10 +1019,8 @@ def force_decode_form(form: str) -> None:
     """--decode-form: "fc2" drops the rule's step floor, "partials" turns the fc2_by_gemm1 forms off,
     "shallow_ring" their deep-ring variant, "split_gemm2" drops decode_splits_gemm2's floor of K steps a range (the
     kernel still sizes its ranges by its own decode_fused.GEMM2_MIN_STEPS: a build with a lower one is what this
-    times), "gemm2_rows64" turns the partials form's 64-row GEMM2 variant on. Refused when the form is not linked
-    (the launcher would run the other one)."""
-    needs = {"fc2": dict(fc2_by_gemm1=True), "partials": {}, "split_gemm2": dict(split_gemm2=True),
-             "gemm2_rows64": dict(gemm2_rows64=True)}.get(form)
+    times). Refused when the form is not linked (the launcher would run the other one)."""
+    needs = {"fc2": dict(fc2_by_gemm1=True), "partials": {}, "split_gemm2": dict(split_gemm2=True)}.get(form)
     if needs is not None and not launcher.has_kernel(launcher.decode_kernel("swiglu", **needs)):
         raise SystemExit(f"--decode-form {form}: the launcher links no such decode objects (a build older than the "
                          "tree?)")
@@ -1036,8 +1032,6 @@ def force_decode_form(form: str) -> None:
         launcher.DECODE_DEEP_RING = False
     elif form == "split_gemm2":
         launcher.DECODE_GEMM2_MIN_STEPS = 1
-    elif form == "gemm2_rows64":
-        launcher.DECODE_GEMM2_ROWS64 = True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -325,11 +325,6 @@ DECODE_FC2_MIN_RANGE_STEPS = 9
 DECODE_DEEP_RING = True
 DECODE_DEEP_RING_STAGES = 6  # decode_fused.DEEP_CONFIG.stages
 DECODE_DEEP_RING_TILES_PER_SM = 2.0
-# Whether FUSED_DECODE takes the unsplit partials form's 64-row GEMM2 variant (decode_fused.ROWS64_CONFIG) wherever
-# it takes that form. Off: built for SwiGLU in session 45 and not yet run on a GPU; `moe_ext.bench --decode-form
-# gemm2_rows64` and tests/test_fused_decode.py turn it on (perf notes, session 45: Qwen3-30B-A3B T=1 -1.0 to -1.4
-# µs expected).
-DECODE_GEMM2_ROWS64 = False
 # Whether the untuned heuristic may pick FUSED_DECODE (default_tactic's `fused_decode`): on since session 35 ran
 # tests/test_fused_decode.py on the fixed build (h200_session35_checks.md).
 DEFAULT_FUSED_DECODE = True
@@ -605,10 +600,9 @@ def _dummies(device: torch.device) -> dict:
             for dtype in (torch.bfloat16, torch.uint8, torch.float32)}
 
 
-def decode_kernel(kind: str, split_gemm2: bool = False, fc2_by_gemm1: bool = False, deep_ring: bool = False,
-                  gemm2_rows64: bool = False) -> str:
+def decode_kernel(kind: str, split_gemm2: bool = False, fc2_by_gemm1: bool = False, deep_ring: bool = False) -> str:
     return (f"moe_decode_w4a16_{kind}" + ("_split2" if split_gemm2 else "") + ("_fc2" if fc2_by_gemm1 else "")
-            + (f"_ring{DECODE_DEEP_RING_STAGES}" if deep_ring else "") + ("_rows64" if gemm2_rows64 else ""))
+            + (f"_ring{DECODE_DEEP_RING_STAGES}" if deep_ring else ""))
 
 
 def decode_partial_floats(pairs: int, n1: int, hidden: int) -> int:
@@ -693,15 +687,13 @@ def decode_kernel_for(problem) -> str:
     """The FUSED_DECODE kernel form `problem` launches: the one that splits GEMM2's K where DECODE_SPLIT_GEMM2 allows
     it, decode_splits_gemm2 expects it to pay and it is linked, else the unsplit one; in its fc2_by_gemm1 form
     where decode_fc2_by_gemm1 says so and that is linked; the unsplit fc2 form on its deep ring where
-    decode_deep_ring says so and that is linked; the unsplit partials form's 64-row GEMM2 variant where
-    DECODE_GEMM2_ROWS64 is on and that is linked."""
+    decode_deep_ring says so and that is linked."""
     kind = problem.activation.kind
     split = _decode_split_form_taken(kind) and _decode_gemm2_wants_split(problem)
     fc2 = decode_fc2_by_gemm1(problem) and has_kernel(decode_kernel(kind, split, True))
     deep = (fc2 and not split and decode_deep_ring(problem)
             and has_kernel(decode_kernel(kind, fc2_by_gemm1=True, deep_ring=True)))
-    rows64 = DECODE_GEMM2_ROWS64 and not (fc2 or split) and has_kernel(decode_kernel(kind, gemm2_rows64=True))
-    return decode_kernel(kind, split, fc2, deep, rows64)
+    return decode_kernel(kind, split, fc2, deep)
 
 
 def decode_deep_ring(problem) -> bool:

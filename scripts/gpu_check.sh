@@ -20,8 +20,8 @@
 #   fused_decode: tests/test_fused_decode.py, then whole forwards of the heuristic's tactic against FUSED_DECODE
 #              (8,-3,-3) at $DECODE_SHAPES x $DECODE_TOKENS (default T = 1, 2, 4, 8), $AB_ROUNDS interleaved rounds
 #   decode_forms: whole forwards (heuristic's tactic) with each FUSED_DECODE form of $DECODE_FORMS (bench's
-#              --decode-form: rule, fc2, partials, shallow_ring, split_gemm2, gemm2_rows64) at $DECODE_SHAPES x
-#              $DECODE_TOKENS, $AB_ROUNDS interleaved rounds
+#              --decode-form: rule, fc2, partials, shallow_ring, split_gemm2) at $DECODE_SHAPES x $DECODE_TOKENS,
+#              $AB_ROUNDS interleaved rounds
 #   ab_tactics: per-kernel profile of each tactic of $AB_TACTICS ("default" or "tile,split1,split2") at $AB_POINTS
 #   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels);
 #              $SWEEP_TOKENS and $SWEEP_SHAPES narrow it
@@ -270,8 +270,7 @@ elif [ "$PART" = prefill_ncu ]; then  # what bounds the wgmma GEMMs: pipes, shar
     python3 benchmarks/profile_kernels.py --points ${PREFILL_POINTS:-mixtral-8x7b:4096} --ncu
 elif [ "$PART" = timeline ]; then  # decode_fused's per-CTA timeline (benchmarks/decode_timeline.py) from the build
   # $TIMELINE_DIR (default .kernels+.kernels_phase/timeline), at $TIMELINE_POINTS, then the split_gemm2 form at
-  # $TIMELINE_SPLIT_POINTS (and the 64-row GEMM2 variant at $TIMELINE_ROWS64_POINTS, if set); reinstalls
-  # $MOE_EXT_KERNEL_DIR after (unless alone)
+  # $TIMELINE_SPLIT_POINTS; reinstalls $MOE_EXT_KERNEL_DIR after (unless alone)
   dir=$(kernel_dir "${TIMELINE_DIR:-.kernels+.kernels_phase/timeline}")
   MOE_EXT_KERNEL_DIR=$dir MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_timeline.log" 2>&1
   echo "install $dir rc=$?" | tee -a "$OUT/summary.txt"
@@ -279,11 +278,7 @@ elif [ "$PART" = timeline ]; then  # decode_fused's per-CTA timeline (benchmarks
     --points "${TIMELINE_POINTS:-qwen3-30b-a3b:1,deepseek-v3-ep8:1,gpt-oss-120b:1,mixtral-8x7b:1,qwen3-30b-a3b:2}"
   step timeline_split2 150 python3 benchmarks/decode_timeline.py --split-gemm2 \
     --out "$OUT/decode_timeline_split2.json" --points "${TIMELINE_SPLIT_POINTS:-deepseek-v3-ep8:1,gpt-oss-120b:1,mixtral-8x7b:1}"
-  if [ -n "${TIMELINE_ROWS64_POINTS:-}" ]; then  # the partials form's 64-row GEMM2 variant (its timeline object)
-    step timeline_rows64 100 python3 benchmarks/decode_timeline.py --gemm2-rows64 \
-      --out "$OUT/decode_timeline_rows64.json" --points "$TIMELINE_ROWS64_POINTS"
-  fi
-  cp "$LOG/timeline.log" "$LOG/timeline_split2.log" "$LOG/timeline_rows64.log" "$OUT/" 2>/dev/null
+  cp "$LOG/timeline.log" "$LOG/timeline_split2.log" "$OUT/" 2>/dev/null
   [ "$PARTS" = timeline ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
 elif [ "$PART" = ncu_source ]; then  # full ncu set + per-SASS stall samples of $NCU_KERNEL at each of $NCU_POINTS
   for pt in ${NCU_POINTS:-deepseek-v3:1024}; do

@@ -101,9 +101,9 @@ def wgmma_widths(listing: str) -> list[int]:
     return sorted({int(m.split("x")[1]) for m in _HGMMA_SHAPE.findall(listing)})
 
 
-def mma_loop_spans(listing: str) -> list[tuple[int, int]]:
-    """(first line, last line) of each innermost loop whose body issues HMMA or HGMMA, in listing order (a body
-    runs from a label to the last branch back to it)."""
+def mma_loops(listing: str) -> list[tuple[int, collections.Counter]]:
+    """(instructions, opcode counts) of each innermost loop whose body issues HMMA or HGMMA: the mainloop steps
+    the perf notes count instructions of (a body runs from a label to the last branch back to it)."""
     lines = listing.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\s*(\.L_x_\d+):", line))}
     spans = {}
@@ -113,15 +113,9 @@ def mma_loop_spans(listing: str) -> list[tuple[int, int]]:
             spans[m.group(1)] = (labels[m.group(1)], i)
     bodies = [(a, b) for a, b in spans.values()
               if any("MMA" in line for line in lines[a:b + 1])]
-    return sorted((a, b) for a, b in bodies if not any(a < c and d < b for c, d in bodies if (c, d) != (a, b)))
-
-
-def mma_loops(listing: str) -> list[tuple[int, collections.Counter]]:
-    """(instructions, opcode counts) of each innermost loop whose body issues HMMA or HGMMA: the mainloop steps
-    the perf notes count instructions of."""
-    lines = listing.splitlines()
+    innermost = [(a, b) for a, b in bodies if not any(a < c and d < b for c, d in bodies if (c, d) != (a, b))]
     return [(sum(counts.values()), counts) for counts in
-            (opcode_counts("\n".join(lines[a:b + 1])) for a, b in mma_loop_spans(listing))]
+            (opcode_counts("\n".join(lines[a:b + 1])) for a, b in sorted(innermost))]
 
 
 def main(argv=None) -> int:

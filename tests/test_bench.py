@@ -359,21 +359,18 @@ def test_cli_rejects_bad_values(bad, capsys):
     assert bad[0] in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("form,flag,floor,deep,gemm2_steps,rows64", [
-    ("rule", True, 9, True, 4, False), ("fc2", True, 0, True, 4, False), ("partials", False, 9, True, 4, False),
-    ("shallow_ring", True, 9, False, 4, False), ("split_gemm2", True, 9, True, 1, False),
-    ("gemm2_rows64", True, 9, True, 4, True)])
-def test_decode_form_sets_the_launchers_choice(form, flag, floor, deep, gemm2_steps, rows64, monkeypatch):
+@pytest.mark.parametrize("form,flag,floor,deep,gemm2_steps", [
+    ("rule", True, 9, True, 4), ("fc2", True, 0, True, 4), ("partials", False, 9, True, 4),
+    ("shallow_ring", True, 9, False, 4), ("split_gemm2", True, 9, True, 1)])
+def test_decode_form_sets_the_launchers_choice(form, flag, floor, deep, gemm2_steps, monkeypatch):
     monkeypatch.setattr(bench.launcher, "has_kernel", lambda name: True)
     monkeypatch.setattr(bench.launcher, "DECODE_FC2_BY_GEMM1", True)
     monkeypatch.setattr(bench.launcher, "DECODE_FC2_MIN_RANGE_STEPS", 9)
     monkeypatch.setattr(bench.launcher, "DECODE_DEEP_RING", True)
     monkeypatch.setattr(bench.launcher, "DECODE_GEMM2_MIN_STEPS", 4)
-    monkeypatch.setattr(bench.launcher, "DECODE_GEMM2_ROWS64", False)
     bench.force_decode_form(form)
     assert (bench.launcher.DECODE_FC2_BY_GEMM1, bench.launcher.DECODE_FC2_MIN_RANGE_STEPS,
-            bench.launcher.DECODE_DEEP_RING, bench.launcher.DECODE_GEMM2_MIN_STEPS,
-            bench.launcher.DECODE_GEMM2_ROWS64) == (flag, floor, deep, gemm2_steps, rows64)
+            bench.launcher.DECODE_DEEP_RING, bench.launcher.DECODE_GEMM2_MIN_STEPS) == (flag, floor, deep, gemm2_steps)
 
 
 def test_split_gemm2_form_takes_the_split_kernel_at_qwen3_t1(monkeypatch):
@@ -386,20 +383,6 @@ def test_split_gemm2_form_takes_the_split_kernel_at_qwen3_t1(monkeypatch):
     assert bench.launcher.decode_kernel_for(problem) == "moe_decode_w4a16_swiglu"
     bench.force_decode_form("split_gemm2")
     assert bench.launcher.decode_kernel_for(problem) == "moe_decode_w4a16_swiglu_split2"
-
-
-def test_gemm2_rows64_form_takes_its_kernel_where_the_rule_takes_the_partials_form(monkeypatch):
-    """--decode-form gemm2_rows64 at Qwen3-30B-A3B T=1 (the unsplit partials form) runs the 64-row GEMM2 variant;
-    where the rule takes a split or fc2 form (DeepSeek-V3 EP8 T=1, Qwen3 T=4) it changes nothing."""
-    monkeypatch.setattr(bench.launcher, "has_kernel", lambda name: True)
-    monkeypatch.setattr(bench.launcher, "num_sms", lambda device: 132)
-    monkeypatch.setattr(bench.launcher, "DECODE_GEMM2_ROWS64", False)
-    points = [decode_problem(1, 8, 128, 128, 2048, 768), decode_problem(1, 8, 256, 32, 7168, 2048),
-              decode_problem(4, 8, 128, 128, 2048, 768)]
-    before = [bench.launcher.decode_kernel_for(p) for p in points]
-    assert before[0] == "moe_decode_w4a16_swiglu"
-    bench.force_decode_form("gemm2_rows64")
-    assert [bench.launcher.decode_kernel_for(p) for p in points] == ["moe_decode_w4a16_swiglu_rows64", *before[1:]]
 
 
 def test_decode_form_is_refused_when_its_objects_are_not_linked(monkeypatch):

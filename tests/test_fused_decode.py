@@ -93,23 +93,6 @@ def test_fused_decode_deep_ring_matches_reference(act, tokens, top_k, shape, fc2
     check_variant(launcher.decode_kernel("swiglu", fc2_by_gemm1=True, deep_ring=True), case)
 
 
-@pytest.mark.parametrize("act", ["swiglu", "swiglu_oai"])
-@pytest.mark.parametrize("tokens,top_k,shape", [(1, 8, (2048, 768)), (1, 8, (1024, 128)), (3, 4, (1152, 384)),
-                                                (8, 8, (1024, 512)), (64, 1, (1024, 256))], ids=str)
-def test_fused_decode_gemm2_rows64_matches_reference(act, tokens, top_k, shape, fc2_form, monkeypatch):
-    """The unsplit partials form's 64-row GEMM2 variant (launcher.DECODE_GEMM2_ROWS64, forced): GEMM2 items in both
-    halves of a 128-row scale tile (an odd hidden / 128 among them), GEMM2 K of 1, 2, 3, 4 and 6 steps (one K slice
-    idle on a step, an odd step count), several row tiles an expert."""
-    if fc2_form:
-        pytest.skip("a variant of the partials form")
-    monkeypatch.setattr(launcher, "DECODE_GEMM2_ROWS64", True)
-    monkeypatch.setattr(launcher, "DECODE_SPLIT_GEMM2", False)
-    hidden, inter = shape
-    case = make_case("w4a16", act, num_tokens=tokens, top_k=top_k, num_experts=16, hidden=hidden, inter=inter,
-                     seed=tokens + hidden + inter, invalid_fraction=0.1, weight_scale=0.02).to("cuda")
-    check_variant(launcher.decode_kernel("swiglu", gemm2_rows64=True), case)
-
-
 def test_fused_decode_crowded_and_repeated_experts():
     """Every pair on two experts (one expert gets 40 rows: five 8-row tiles), tokens that name an expert twice,
     and a token with no local expert at all."""

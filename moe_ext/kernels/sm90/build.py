@@ -82,9 +82,6 @@ def specialisations():
     # (launcher.DECODE_DEEP_RING).
     specs.append((decode_kernel("swiglu", fc2_by_gemm1=True, deep_ring=True),
                   functools.partial(decode_fused.compile_decode, "swiglu", fc2_by_gemm1=True, deep_ring=True)))
-    # The unsplit partials form's 64-row GEMM2 variant, for SwiGLU alone (launcher.DECODE_GEMM2_ROWS64).
-    specs.append((decode_kernel("swiglu", gemm2_rows64=True),
-                  functools.partial(decode_fused.compile_decode, "swiglu", gemm2_rows64=True)))
     return specs
 
 

@@ -70,12 +70,6 @@ PARTIALS_CONFIG = replace(CONFIG, unroll_ring=False)
 # T = 4 / 8, DeepSeek-V3 T = 2-8, Mixtral T = 4 / 8), slower where an item's first landing sets the pace (EP8 T=4
 # 1.85 us, Qwen3 T=2 0.35): a burst of 6 stages a CTA lands later (launcher.decode_deep_ring picks).
 DEEP_CONFIG = replace(CONFIG, stages=6, unroll_ring=False)
-# GEMM2's mainloop in the partials form's gemm2_rows64 variant (make_kernel): items of 64 hidden rows, 4 warps of 16
-# rows on each of two K slices (still 256 threads). Where GEMM2's 128-row items leave one CTA an SM with 8 warps on
-# a latency-bound step (Qwen3-30B-A3B T=1: 128 items, 0.53 us a step, 6 steps with a refill round trip), twice the
-# items put both CTAs of an SM to work, a slice takes half the steps and the 4-stage ring holds 8 steps, all primed.
-# Prepared in session 45, not yet run (perf notes, session 45).
-ROWS64_CONFIG = replace(PARTIALS_CONFIG, warps=4, k_slices=2)
 BLOCK = 16  # NVFP4 weight scales
 # The timeline build (make_kernel's `timeline`): thread 0 of each CTA writes TIMELINE_WORDS u32 words at
 # TIMELINE[...] past the count buffer's words (launcher.decode_count_words), CTA after CTA; the caller allocates
@@ -230,9 +224,10 @@ def fc2_input_address(partials: cute.Tensor, pairs, n1, hidden) -> Int64:
 
 
 def finalize(sm, plan: RoutePlan, a_row, c0, row, col, w2_alpha: cute.Tensor, expert,
-             token_final_scales: cute.Tensor, out_address: Int64, by_top_k, hidden, out_cols: int) -> None:
-    """gemm2.py's fused finalize of a thread's `out_cols` accumulators (sm.out[a_row, c0...]) of sorted row `row`
-    at hidden column `col`: router-weighted bf16 adds into the output row of its token."""
+             token_final_scales: cute.Tensor, out_address: Int64, by_top_k, hidden) -> None:
+    """gemm2.py's fused finalize of a thread's accumulators (sm.out[a_row, c0...]) of sorted row `row` at hidden
+    column `col`: router-weighted bf16 adds into the output row of its token."""
+    out_cols = CONFIG.rows * TOKENS // CONFIG.threads
     pair = plan.row_pair[row]
     scale = w2_alpha[expert] * token_final_scales[pair]
     words = [ptx.pack_bf16x2(scale * sm.out[a_row, c0 + 2 * i], scale * sm.out[a_row, c0 + 2 * i + 1])
@@ -294,7 +289,7 @@ def gemm1_epilogue(sm, plan: RoutePlan, tid, partials: cute.Tensor, barrier: cut
 
 
 def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = False, timeline: bool = False,
-                fc2_by_gemm1: bool = False, deep_ring: bool = False, gemm2_rows64: bool = False):
+                fc2_by_gemm1: bool = False, deep_ring: bool = False):
     """gemms: which GEMM phases run their items (a timing variant without one of them times the rest of the
     kernel: benchmarks/decode_phase_variants.py); the routing, the zeroing and the counts always run.
     split_gemm2: GEMM2 items split K too (GEMM2_MIN_STEPS). A separate build: the arrival and the sum of the
@@ -304,19 +299,13 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
     with the first chunk's loads issued ahead of the weight copies (stream.LoadsFirst); otherwise GEMM2's staging
     sums GEMM1's partials and applies the activation, in a loop after the copies (stream.TokenLoads). Neither is
     faster everywhere (launcher.decode_fc2_by_gemm1).
-    deep_ring: the unsplit fc2_by_gemm1 form's mainloop on DEEP_CONFIG's ring.
-    gemm2_rows64: the unsplit partials form with GEMM2 on ROWS64_CONFIG's mainloop (a second copy of it)."""
+    deep_ring: the unsplit fc2_by_gemm1 form's mainloop on DEEP_CONFIG's ring."""
     if deep_ring and (split_gemm2 or not fc2_by_gemm1):
         raise ValueError("deep_ring: only the unsplit fc2_by_gemm1 form has a deep-ring variant")
-    if gemm2_rows64 and (split_gemm2 or fc2_by_gemm1):
-        raise ValueError("gemm2_rows64: only the unsplit partials form has a 64-row GEMM2 variant")
     gated = kind != "relu2"
     cfg = DEEP_CONFIG if deep_ring else CONFIG if fc2_by_gemm1 else PARTIALS_CONFIG
-    cfg2 = ROWS64_CONFIG if gemm2_rows64 else cfg  # GEMM2's mainloop
     threads = cfg.threads
-    assert cfg2.threads == threads
     out_cols = cfg.rows * TOKENS // threads  # GEMM epilogues: accumulator columns per thread (4)
-    out_cols2 = cfg2.rows * TOKENS // threads  # GEMM2's (2 in the 64-row variant)
 
     @cute.kernel
     def decode_kernel(x_bf16: cute.Tensor, token_selected_experts: cute.Tensor, token_final_scales: cute.Tensor,
@@ -329,11 +318,7 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
         cta, _, _ = cute.arch.block_idx()
         start_clock = ptx.sm_clock() if cutlass.const_expr(timeline) else None
         start_ns = ptx.global_timer() if cutlass.const_expr(timeline) else None
-        if cutlass.const_expr(gemm2_rows64):  # one allocation, the larger scale slots; each GEMM its tile's view
-            sm2 = streaming.allocate(TOKENS, cfg2)
-            sm = streaming.with_rows(sm2, TOKENS, cfg)
-        else:
-            sm = streaming.allocate(TOKENS, cfg)
+        sm = streaming.allocate(TOKENS, cfg)
         plan = allocate_plan()
         out_tile = sm.out  # written below inside run-time branches, which would otherwise carry all of `sm`
         by_top_k = ptx.division_magic(top_k)
@@ -368,7 +353,6 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
         s1 = splits(ctas, tiles * (n1 // cfg.rows), hidden // cfg.k_step, 2)
         a_row = tid // (threads // TOKENS)  # the epilogues' accumulator row and first column
         c0 = (tid % (threads // TOKENS)) * out_cols
-        c0_2 = (tid % (threads // TOKENS)) * out_cols2
 
         # The fused finalize adds into the output: zero it, and count in (GEMM2's items wait for every CTA's).
         for i in cutlass.range(cta * threads + tid, cute.size(out) // 8, ctas * threads):
@@ -392,10 +376,7 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
             if cutlass.const_expr(split_gemm2):  # made per phase: fewer live registers
                 s2 = splits(ctas, tiles * (hidden // cfg.rows), plan.arrival[2], 1)
             ranges = Int32(cutlass.select_(gemm2, s2, s1))
-            item_rows = cfg.rows  # weight rows of an item
-            if cutlass.const_expr(gemm2_rows64):
-                item_rows = Int32(cutlass.select_(gemm2, Int32(cfg2.rows), Int32(cfg.rows)))
-            per_tile = rows_per_expert // item_rows * ranges
+            per_tile = rows_per_expert // cfg.rows * ranges
             w_sf = Int64(cutlass.select_(gemm2, w2_sf.iterator.toint(), w1_sf.iterator.toint()))
             w_map = Int64(cutlass.select_(gemm2, w2_map.get_ptr().toint(), w1_map.get_ptr().toint()))
             if cutlass.const_expr(fc2_by_gemm1):
@@ -485,25 +466,12 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                         plan.arrival[1] = t * (hidden // cfg.rows) + n_tile
                 if item == first_item:
                     mark(timeline, tid, timeline0, phase_words)
-                if cutlass.const_expr(gemm2_rows64):  # each GEMM its own mainloop
-                    if gemm2:
-                        streaming.accumulate(sm2, tid, w_sf, w_map, expert, n_tile * cfg2.rows, rows_per_expert,
-                                             k_extent, rank, ranges, limit - row0, TOKENS, cfg2, BLOCK,
-                                             streaming.TokenLoads(load_fc2_input, load_fc2_input, False),
-                                             cluster_reduce=False,
-                                             trace=trace if cutlass.const_expr(timeline) else None, ready=ready)
-                    else:
-                        streaming.accumulate(sm, tid, w_sf, w_map, expert, n_tile * cfg.rows, rows_per_expert,
-                                             k_extent, rank, ranges, limit - row0, TOKENS, cfg, BLOCK,
-                                             streaming.TokenLoads(load_x, load_x, True), cluster_reduce=False,
-                                             trace=trace if cutlass.const_expr(timeline) else None)
-                else:
-                    streaming.accumulate(sm, tid, w_sf, w_map, expert, n_tile * cfg.rows, rows_per_expert, k_extent,
-                                         rank, ranges, limit - row0, TOKENS, cfg, BLOCK,
-                                         streaming.LoadsFirst(load_tokens) if fc2_by_gemm1 else
-                                         streaming.TokenLoads(load_x, load_fc2_input, phase == 0),
-                                         cluster_reduce=False, trace=trace if cutlass.const_expr(timeline) else None,
-                                         ready=ready)
+                streaming.accumulate(sm, tid, w_sf, w_map, expert, n_tile * cfg.rows, rows_per_expert, k_extent,
+                                     rank, ranges, limit - row0, TOKENS, cfg, BLOCK,
+                                     streaming.LoadsFirst(load_tokens) if fc2_by_gemm1 else
+                                     streaming.TokenLoads(load_x, load_fc2_input, phase == 0), cluster_reduce=False,
+                                     trace=trace if cutlass.const_expr(timeline) else None,
+                                     ready=ready)
                 if item == first_item:
                     mark(timeline, tid, timeline0, phase_words + 3)
                 mark(timeline, tid, timeline0, phase_words + 4)
@@ -535,19 +503,15 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                 if cutlass.const_expr(fc2_by_gemm1):
                     if a_row < limit - row0 and last == 1 and gemm2:
                         finalize(sm, plan, a_row, c0, row0 + a_row, n_tile * cfg.rows + c0, w2_alpha,
-                                 expert, token_final_scales, out_address, by_top_k, hidden, out_cols)
+                                 expert, token_final_scales, out_address, by_top_k, hidden)
                     if not gemm2:
                         gemm1_epilogue(sm, plan, tid, partials, barrier, pairs, n1, hidden, inter, t, n_tile, rank,
                                        ranges, row0, limit, alpha, (p0, p1, p2, p3), kind)
                 else:
                     if a_row < limit - row0 and last == 1:
                         if gemm2:
-                            if cutlass.const_expr(gemm2_rows64):  # thread tid % 32's 2 columns of 64
-                                finalize(sm2, plan, a_row, c0_2, row0 + a_row, n_tile * cfg2.rows + c0_2, w2_alpha,
-                                         expert, token_final_scales, out_address, by_top_k, hidden, out_cols2)
-                            else:
-                                finalize(sm, plan, a_row, c0, row0 + a_row, n_tile * cfg.rows + c0, w2_alpha,
-                                         expert, token_final_scales, out_address, by_top_k, hidden, out_cols)
+                            finalize(sm, plan, a_row, c0, row0 + a_row, n_tile * cfg.rows + c0, w2_alpha,
+                                     expert, token_final_scales, out_address, by_top_k, hidden)
                         else:  # this K range's fp32 partial, which GEMM2's staging sums with the others
                             words = [sm.out[a_row, c0 + i].bitcast(Int32) for i in range(out_cols)]
                             ptx.write_words(gemm1_partial(partials, pairs, n1, rank, row0 + a_row,
@@ -574,7 +538,7 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                p0: Float32, p1: Float32, p2: Float32, p3: Float32, ctas: Int32, pdl: cutlass.Boolean,
                stream: cuda.CUstream):
         w1_map = streaming.weight_map(w1, cute.size(w1_alpha), n1, hidden, cfg)
-        w2_map = streaming.weight_map(w2, cute.size(w2_alpha), hidden, inter, cfg2)
+        w2_map = streaming.weight_map(w2, cute.size(w2_alpha), hidden, inter, cfg)
         decode_kernel(x_bf16, token_selected_experts, token_final_scales, w1_sf, w1_map, w1_alpha, w2_sf, w2_map,
                       w2_alpha, out, partials, barrier, hidden, inter, n1, top_k, num_experts, expert_offset,
                       p0, p1, p2, p3, ctas).launch(
@@ -585,15 +549,13 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
 
 
 def compile_decode(kind: str, options: str, gemms: tuple = (True, True), split_gemm2: bool = False,
-                   timeline: bool = False, fc2_by_gemm1: bool = False, deep_ring: bool = False,
-                   gemm2_rows64: bool = False):
+                   timeline: bool = False, fc2_by_gemm1: bool = False, deep_ring: bool = False):
     from .fake_args import vector
 
     u8 = cutlass.Uint8
     return cute.compile(
-        make_kernel(kind, gemms, split_gemm2, timeline, fc2_by_gemm1, deep_ring, gemm2_rows64),
-        vector(BFloat16, 16), vector(Int32), vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32),
-        vector(u8, 16), vector(u8, 16), vector(Float32), vector(BFloat16, 16), vector(Float32, 16), vector(Int32),
-        Int32(128), Int32(128),
+        make_kernel(kind, gemms, split_gemm2, timeline, fc2_by_gemm1, deep_ring), vector(BFloat16, 16), vector(Int32),
+        vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32), vector(u8, 16), vector(u8, 16),
+        vector(Float32), vector(BFloat16, 16), vector(Float32, 16), vector(Int32), Int32(128), Int32(128),
         Int32(256), Int32(1), Int32(1), Int32(0), Float32(0), Float32(0), Float32(0), Float32(0), Int32(1),
         cutlass.Boolean(True), cuda.CUstream(0), options=options)

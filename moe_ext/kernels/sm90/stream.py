@@ -232,18 +232,15 @@ class StepPlace(NamedTuple):
     swap: Int32  # the tile's 16-byte chunk swizzle of the quad position t (see tile_address): (t >> 1) << 1
 
 
-def step_place(sm: Smem, tid, c: StreamConfig, block: int, scale_row=None) -> StepPlace:
+def step_place(sm: Smem, tid, c: StreamConfig, block: int) -> StepPlace:
     """StepPlace of thread `tid`. At the 64-byte weight row pitch a quarter-warp's eight 16-byte loads (rows r and
-    r + 1, chunks t = 0..3) cover 128 consecutive bytes: no bank conflict. `scale_row`: a 64-row config's first
-    row inside its 128-row scale tile (0 or 64), whose scales it copies whole; None for 128-row configs."""
+    r + 1, chunks t = 0..3) cover 128 consecutive bytes: no bank conflict."""
     lane = tid % 32
     r = ((tid // 32) % c.warps) * 16 + lane // 4
     t = lane % 4
     tiles = (t // 2 if block == 16 else 0) * 512
 
     def group(row):
-        if scale_row is not None:
-            row = row + scale_row
         return tiles + (row % 32) * 16 + (row // 32) * 4
 
     return StepPlace(*(ptx.pinned(v) for v in (
@@ -392,13 +389,6 @@ def store_chunk(sm: Smem, row, chunk, values: list, valid, tokens: int, c: Strea
             ptx.st_shared_b32(sm.tokens + wgmma_tile_offset(tokens, row, chunk, w), v[w])
     else:
         ptx.st_shared_v4(tile_address(sm, row, chunk), v[0], v[1], v[2], v[3])
-
-
-def with_rows(sm: Smem, tokens: int, c: StreamConfig) -> Smem:
-    """`sm` with its accumulator tile viewed for c's rows: a kernel whose GEMMs run configs of different rows
-    (decode_fused.py's gemm2_rows64) shares one allocation, made for the config with the larger pieces."""
-    layout = cute.make_layout((tokens, c.rows), stride=(c.rows + 4, 1))
-    return sm._replace(out=cute.make_tensor(sm.out.iterator, layout))
 
 
 def store_accumulators(sm: Smem, tid, acc: cute.Tensor, tokens: int, c: StreamConfig, add: bool) -> None:
@@ -669,13 +659,10 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
     warp releases a stage it has read on the stage's empty barrier, and warp 0 refills the slot at its next stage
     (refill_tma_stage)."""
     chunk = k_chunk(tokens, cfg)
-    # A step's scales are copied a whole 128-row scale tile at a time: a config of fewer rows reads its part of it
-    scale_row = None if cfg.rows == 128 else first_row % 128
     src = TmaSource(address_of(w_map), expert, first_row, address_of(w_sf) + Int64(
-        swizzled_sf_offset(expert, first_row if scale_row is None else first_row - scale_row, 0, rows_per_expert,
-                           k_extent // block)))
+        swizzled_sf_offset(expert, first_row, 0, rows_per_expert, k_extent // block)))
     num_stages = (steps + cfg.k_slices - 1) // cfg.k_slices
-    place = step_place(sm, tid, cfg, block, scale_row)
+    place = step_place(sm, tid, cfg, block)
     if tid == 0:
         ptx.prefetch_tensormap(src.w_map)
         for s in cutlass.range_constexpr(cfg.stages):
