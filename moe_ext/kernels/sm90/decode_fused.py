@@ -398,13 +398,9 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                 alpha = w1_alpha[expert]
                 if cutlass.const_expr(fc2_by_gemm1):
                     ready = None
-                    # wait_for_tile's body, inline: called here it compiled to other SASS than the tested objects
                     if gemm2:  # the tile's FC2 input (its GEMM1 items' counts) and a zeroed output (every CTA's)
-                        if tid == 0:
-                            ptx.flip_wait(barrier.iterator.toint(), readiness_word(barrier, t), plan.arrival[3])
-                        cute.arch.sync_threads()
-                        if item == first_item:
-                            mark(timeline, tid, timeline0, TIMELINE["barrier_passed"])
+                        wait_for_tile(tid, barrier.iterator.toint(), readiness_word(barrier, t), plan.arrival[3],
+                                      timeline, timeline0, item == first_item)
                 else:  # the same wait, inside the mainloop after GEMM2's first copies
                     ready = streaming.TokensReady(wait_for_tile, (barrier.iterator.toint(), readiness_word(barrier, t),
                                                                   plan.arrival[3], timeline, timeline0,
