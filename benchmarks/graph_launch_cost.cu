@@ -111,8 +111,9 @@ int main() {
   std::vector<uint64_t> host_starts(2 * sms), host_ends(2 * sms);
   cudaStream_t stream;
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  std::vector<cudaEvent_t> marks(iters + 1);
-  for (auto& mark : marks) CHECK(cudaEventCreate(&mark));
+  cudaEvent_t before, after;
+  CHECK(cudaEventCreate(&before));
+  CHECK(cudaEventCreate(&after));
   std::printf("%d SMs; us: replay between events (median of %d), kernel span in it, replay - span, "
               "back-to-back replays per graph\n", sms, iters);
   for (const Variant& v : variants) {
@@ -124,12 +125,12 @@ int main() {
     uint64_t tick = ~0ull;  // the global timer's resolution as seen here: the smallest step between CTA stamps
     for (int i = 0; i < iters; ++i) {  // one replay at a time: its span is read back after it
       spin<<<1, 1, 0, stream>>>(20000);  // 20 us ahead of the host
-      CHECK(cudaEventRecord(marks[0], stream));
+      CHECK(cudaEventRecord(before, stream));
       CHECK(cudaGraphLaunch(exec, stream));
-      CHECK(cudaEventRecord(marks[1], stream));
+      CHECK(cudaEventRecord(after, stream));
       CHECK(cudaStreamSynchronize(stream));
       float ms = 0;
-      CHECK(cudaEventElapsedTime(&ms, marks[0], marks[1]));
+      CHECK(cudaEventElapsedTime(&ms, before, after));
       replays.push_back(ms * 1e3);
       CHECK(cudaMemcpy(host_starts.data(), starts, ctas * sizeof(uint64_t), cudaMemcpyDeviceToHost));
       CHECK(cudaMemcpy(host_ends.data(), ends, ctas * sizeof(uint64_t), cudaMemcpyDeviceToHost));
@@ -142,12 +143,12 @@ int main() {
         if (stamps[c] > stamps[c - 1]) tick = std::min(tick, stamps[c] - stamps[c - 1]);
     }
     spin<<<1, 1, 0, stream>>>(iters * 10000ull);
-    CHECK(cudaEventRecord(marks[0], stream));
+    CHECK(cudaEventRecord(before, stream));
     for (int i = 0; i < iters; ++i) CHECK(cudaGraphLaunch(exec, stream));
-    CHECK(cudaEventRecord(marks[iters], stream));
+    CHECK(cudaEventRecord(after, stream));
     CHECK(cudaStreamSynchronize(stream));
     float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, marks[0], marks[iters]));
+    CHECK(cudaEventElapsedTime(&ms, before, after));
     const double replay = median(replays), span = median(spans);
     std::printf("%-52s %6.2f %6.2f %6.2f %6.2f  (timer step %llu ns)\n", v.name, replay, span, replay - span,
                 ms * 1e3 / iters, static_cast<unsigned long long>(tick));

@@ -664,7 +664,7 @@ def _decode_gemm2_wants_split(problem) -> bool:
 
 def _decode_split_form_taken(kind: str) -> bool:
     """Whether FUSED_DECODE may take the split_gemm2 form: DECODE_SPLIT_GEMM2 on and the form linked."""
-    return DECODE_SPLIT_GEMM2 and has_kernel(decode_kernel(kind, True))
+    return DECODE_SPLIT_GEMM2 and has_kernel(decode_kernel(kind, split_gemm2=True))
 
 
 def decode_gemm1_ranges(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, hidden: int,
@@ -690,7 +690,7 @@ def decode_kernel_for(problem) -> str:
     decode_deep_ring says so and that is linked."""
     kind = problem.activation.kind
     split = _decode_split_form_taken(kind) and _decode_gemm2_wants_split(problem)
-    fc2 = decode_fc2_by_gemm1(problem) and has_kernel(decode_kernel(kind, split, True))
+    fc2 = decode_fc2_by_gemm1(problem) and has_kernel(decode_kernel(kind, split, fc2_by_gemm1=True))
     deep = (fc2 and not split and decode_deep_ring(problem)
             and has_kernel(decode_kernel(kind, fc2_by_gemm1=True, deep_ring=True)))
     return decode_kernel(kind, split, fc2, deep)

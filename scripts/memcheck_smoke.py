@@ -39,15 +39,15 @@ for mode in ("w4a4", "w4a16"):
 # The one-launch decode in each of its forms, forced through the launcher's rules (the cases above take only the
 # fc2 form): partials and fc2, GEMM2 split or not, the fc2 form's deep ring. On a 132-SM grid, 8 pairs on distinct
 # experts give GEMM1 2 K ranges of its 9 steps (hidden 1152: uneven) and the split form 2 of GEMM2's 8 (inter 1024).
-forms = [dict(fc2=fc2, split=split, deep=False) for fc2 in (False, True) for split in (False, True)]
-for form in forms + [dict(fc2=True, split=False, deep=True)]:
-    launcher.decode_fc2_by_gemm1 = lambda problem, f=form: f["fc2"]
-    launcher._decode_gemm2_wants_split = lambda problem, f=form: f["split"]
-    launcher.decode_deep_ring = lambda problem, f=form: f["deep"]
+forms = [dict(split_gemm2=split, fc2_by_gemm1=fc2, deep_ring=False) for fc2 in (False, True) for split in (False, True)]
+for form in forms + [dict(split_gemm2=False, fc2_by_gemm1=True, deep_ring=True)]:
+    launcher.decode_fc2_by_gemm1 = lambda problem, f=form: f["fc2_by_gemm1"]
+    launcher._decode_gemm2_wants_split = lambda problem, f=form: f["split_gemm2"]
+    launcher.decode_deep_ring = lambda problem, f=form: f["deep_ring"]
     case = make_case("w4a16", "swiglu", num_tokens=2, top_k=4, num_experts=16, hidden=1152, inter=1024,
                      invalid_fraction=0.1).to("cuda")
     problem = build_problem(**case.kwargs(use_fused_finalize=True))
-    name = launcher.decode_kernel("swiglu", form["split"], form["fc2"], form["deep"])
+    name = launcher.decode_kernel("swiglu", **form)
     assert launcher.decode_kernel_for(problem) == name, (launcher.decode_kernel_for(problem), name)
     moe_ext.cute_dsl_fused_moe(**case.kwargs(use_fused_finalize=True), tactic=DECODE)
     print("memcheck smoke: ran", name)
