@@ -4,11 +4,13 @@
     python3 benchmarks/tuner_timings.py --shapes deepseek-v3-ep8 --tokens 8 --tactic tuned [bench arguments]
 
 `--warm-l2` times the candidates without evicting L2 between samples (tuning.FLUSH_L2_BETWEEN_SAMPLES off): the
-tuner as it was up to session 40.
+tuner as it was up to session 40. `--profiling-routings N` times them on the first N stand-in routings
+(backends.profiling_routings; 1: the tuner as it was up to session 46).
 """
+import functools
 import sys
 
-from moe_ext import bench, tuning
+from moe_ext import backends, bench, tuning
 
 _profile = tuning.profile
 
@@ -27,4 +29,9 @@ if __name__ == "__main__":
     if "--warm-l2" in argv:
         argv.remove("--warm-l2")
         tuning.FLUSH_L2_BETWEEN_SAMPLES = False
+    if "--profiling-routings" in argv:
+        at = argv.index("--profiling-routings")
+        count = int(argv[at + 1])
+        del argv[at:at + 2]
+        backends.profiling_routings = functools.partial(backends.profiling_routings, count=count)
     sys.exit(bench.main(argv))

@@ -6,6 +6,7 @@ linked into `moe_ext._C` on sm_90 devices, for every quant mode, full width or a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 
 import torch
@@ -13,7 +14,7 @@ import torch
 from .problem import MoEProblem
 from .reference import reference_moe
 from .routing import compute_routing
-from .tuning import AutoTuner, Tactic, token_bucket
+from .tuning import AutoTuner, ProfilingRun, Tactic, token_bucket
 from .workspace import MoEWorkspace
 
 
@@ -177,30 +178,40 @@ def select_tactic(problem: MoEProblem, backend, tactic, op: str, out: torch.Tens
                              f"valid tactics: {candidates}")
         return tactic
     def make_run():
-        profiled = profiling_problem(problem)
-        return lambda t: backend.run(profiled, t, out, workspace)
+        routings = profiling_routings(problem)
+        profiled = dataclasses.replace(problem, token_selected_experts=routings[0].clone())
+        ids = profiled.token_selected_experts
+        return ProfilingRun(lambda t: backend.run(profiled, t, out, workspace),
+                            [functools.partial(ids.copy_, r) for r in routings])
 
     return AutoTuner.get().choose(op_key(problem, backend, op), candidates, backend.default_tactic(problem),
                                   make_run, problem.device, use_cuda_graph)
 
 
-def profiling_problem(problem: MoEProblem) -> MoEProblem:
-    """The problem the tuner times candidates on: the caller's tensors with a stand-in routing of the same shape.
+PROFILING_ROUTINGS = 4  # stand-in routings each candidate is timed on where loads are random (T*K > E)
+
+
+def profiling_routings(problem: MoEProblem, count: int = PROFILING_ROUTINGS) -> list[torch.Tensor]:
+    """Stand-in routings of the problem's shape that the tuner times candidates on, in place of the caller's.
     The tactic is kept for the whole token bucket, so it must not hang on one call's routing: a first call that
     sends no slot (or every slot) to this rank's experts would pick a tactic that is fastest at doing nothing, and
     at T=1 even one random routing does that to an EP rank a third of the time.
-    - T*K <= E: slot s goes to expert s * E // (T*K), evenly spaced, so each EP rank gets exactly its share.
-    - T*K > E: token t takes K experts spaced E // K apart from a seeded random offset (mod E). Each expert then
-      gets a Binomial(T, K/E) load, as under random routing, while a token's slots still spread over the EP ranks
-      as evenly as they can. Equal loads would not do: at 8 rows per expert they make 8-token tiles look ideal,
-      while real loads spill into a second tile (the session-10 sweep's tuner chose tile 8 on DeepSeek-V3 and
-      gpt-oss at T=256, where 16-token tiles ran the GEMMs 1.29x faster).
+    - T*K <= E: slot s goes to expert s * E // (T*K), evenly spaced, so each EP rank gets exactly its share (one
+      routing: there is nothing random to average).
+    - T*K > E: token t takes K experts spaced E // K apart from a seeded random offset (mod E), one routing per
+      seed 0 .. count-1. Each expert then gets a Binomial(T, K/E) load, as under random routing, while a token's
+      slots still spread over the EP ranks as evenly as they can. Equal loads would not do: at 8 rows per expert
+      they make 8-token tiles look ideal, while real loads spill into a second tile (the session-10 sweep's tuner
+      chose tile 8 on DeepSeek-V3 and gpt-oss at T=256, where 16-token tiles ran the GEMMs 1.29x faster).
+      Several draws, because where few experts are hit their number can decide between tactics: at Mixtral T=8
+      (16 slots on 8 experts) GEMM2 split in two launches 384 three-CTA streaming CTAs with 6 experts hit (396
+      slots on 132 SMs) and 512 with 8. Timed on seed 0's routing alone the tuner took that split, which graph
+      replays on four random routings ran 1.05x slower than the unsplit default (h100_session47_checks.md).
     A token's K experts are distinct in both."""
     T, K, E = problem.num_tokens, problem.top_k, problem.num_experts
     if T * K <= E:
-        ids = torch.arange(T * K) * E // (T * K)
+        draws = [torch.arange(T * K) * E // (T * K)]
     else:
-        offsets = torch.randint(E, (T, 1), generator=torch.Generator().manual_seed(0))
-        ids = (offsets + torch.arange(K) * (E // K)) % E
-    ids = ids.to(device=problem.device, dtype=torch.int32).reshape(T, K)
-    return dataclasses.replace(problem, token_selected_experts=ids)
+        offsets = [torch.randint(E, (T, 1), generator=torch.Generator().manual_seed(seed)) for seed in range(count)]
+        draws = [(o + torch.arange(K) * (E // K)) % E for o in offsets]
+    return [ids.to(device=problem.device, dtype=torch.int32).reshape(T, K) for ids in draws]

@@ -13,11 +13,19 @@ import os
 import statistics
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 Tactic = tuple
+
+
+class ProfilingRun(NamedTuple):
+    """What the tuner times: `run(tactic)` runs one candidate on inputs that stay in place (a graph captures
+    them), and each of `routings` (if any) rewrites those inputs' routing, untimed, before a round of samples."""
+
+    run: Callable[[Tactic], None]
+    routings: Sequence[Callable[[], None]] = ()
 # Whether profile evicts the GPU's L2 before each timed sample. A served layer's weights come from DRAM (the
 # other layers' run in between) and moe_ext.bench rotates weight copies so that they do; timed back to back on the
 # same inputs a candidate keeps part of its weights in L2 (50-60 MB), which may favour the kernel chain over the
@@ -116,17 +124,18 @@ class AutoTuner:
         return self.cache.get(repr(key))
 
     def choose(self, key: tuple, candidates: Sequence[Tactic], default: Tactic,
-               make_run: Callable[[], Callable[[Tactic], None]], device: torch.device,
+               make_run: Callable[[], ProfilingRun], device: torch.device,
                use_cuda_graph: bool = False) -> Tactic:
         """The tactic to run for `key`: profile the candidates when tuning (and not capturing), else the cache.
-        `make_run()` gives the function that runs one tactic; it is called only when profiling."""
+        `make_run()` gives what profile times; it is called only when profiling."""
         cached = self.lookup(key)
         if cached in candidates:
             return cached
         if not self.tuning or capturing() or len(candidates) == 1:
             return default
-        run = make_run()
-        timings = profile(run, list(candidates), device, self.warmup, self.repeats, use_cuda_graph)
+        run, routings = make_run()
+        timings = profile(run, list(candidates), device, self.warmup, self.repeats, use_cuda_graph,
+                          routings=routings)
         best = min(timings, key=timings.get)
         self.cache[repr(key)] = best
         return best
@@ -163,7 +172,7 @@ def l2_flush(device: torch.device) -> Callable[[], None]:
 
 def profile(run: Callable[[Tactic], None], tactics: Sequence[Tactic], device: torch.device, warmup: int,
             repeats: int, use_cuda_graph: bool, budget_s: float = 2e-3, max_repeats: int = 25,
-            flush: Callable[[], None] | None = None) -> dict:
+            flush: Callable[[], None] | None = None, routings: Sequence[Callable[[], None]] = ()) -> dict:
     """Median seconds of one run of each of `tactics`; through CUDA-graph replay when asked, so launch cost does
     not decide between tactics at small T. The candidates are sampled in rounds (one run of each, in an order
     that rotates), so a drift of the clocks (a power-capped H200 spread one prefill point's forwards by 14%) shifts
@@ -171,7 +180,9 @@ def profile(run: Callable[[Tactic], None], tactics: Sequence[Tactic], device: to
     `max_repeats`) while each candidate's samples add up to under `budget_s`: a decode forward of tens of
     microseconds gets a median that separates tactics a few percent apart, a prefill forward of milliseconds is
     not timed for longer than it needs. `flush` runs before each sample, untimed (on a GPU, by default, l2_flush
-    where FLUSH_L2_BETWEEN_SAMPLES)."""
+    where FLUSH_L2_BETWEEN_SAMPLES). With `routings` (ProfilingRun's), round r first runs routings[r % n], the
+    rounds come in whole cycles of them, and a candidate's time is the mean over routings of its median on each:
+    the tactic that is fastest on average over the routings, not on one."""
     if flush is None and device.type == "cuda" and FLUSH_L2_BETWEEN_SAMPLES:
         flush = l2_flush(device)
     graphs = {}
@@ -198,14 +209,21 @@ def profile(run: Callable[[Tactic], None], tactics: Sequence[Tactic], device: to
         end.synchronize()
         return start.elapsed_time(end) / 1e3
 
-    samples = {tactic: [] for tactic in tactics}
+    cycle = max(1, len(routings))
+    samples = {tactic: [[] for _ in range(cycle)] for tactic in tactics}
+
+    def spent() -> float:
+        return max(sum(map(sum, per_routing)) for per_routing in samples.values())
+
     rounds = 0
-    while rounds < repeats or (rounds < max_repeats and max(map(sum, samples.values())) < budget_s):
+    while rounds < repeats or rounds % cycle or (rounds < max_repeats and spent() < budget_s):
+        if routings:
+            routings[rounds % cycle]()
         order = list(tactics[rounds % len(tactics):]) + list(tactics[:rounds % len(tactics)])
         for tactic in order:
-            samples[tactic].append(sample(tactic))
+            samples[tactic][rounds % cycle].append(sample(tactic))
         rounds += 1
-    return {tactic: statistics.median(times) for tactic, times in samples.items()}
+    return {tactic: statistics.fmean(map(statistics.median, per_routing)) for tactic, per_routing in samples.items()}
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ from conftest import decode_problem, make_case
 import moe_ext
 from moe_ext.backends import op_key
 from moe_ext.problem import build_problem
-from moe_ext.tuning import AutoTuner, autotune, bucket_list, token_bucket
+from moe_ext.tuning import AutoTuner, ProfilingRun, autotune, bucket_list, token_bucket
 
 
 @pytest.mark.parametrize("tokens,bucket", [(1, 1), (2, 2), (3, 4), (129, 256), (256, 256), (257, 512), (2048, 2048),
@@ -44,23 +44,23 @@ def test_choose_profiles_candidates_once_per_key_and_caches_the_fastest(tuner):
 
     key = ("op", "mode", 8)
     with autotune(True):
-        assert tuner.choose(key, [(1,), (2,)], (2,), lambda: run, torch.device("cpu")) == (1,)
+        assert tuner.choose(key, [(1,), (2,)], (2,), lambda: ProfilingRun(run), torch.device("cpu")) == (1,)
     assert set(calls) == {(1,), (2,)}
     calls.clear()
     # Cached: no profiling, inside or outside autotune.
-    assert tuner.choose(key, [(1,), (2,)], (2,), lambda: run, torch.device("cpu")) == (1,)
+    assert tuner.choose(key, [(1,), (2,)], (2,), lambda: ProfilingRun(run), torch.device("cpu")) == (1,)
     with autotune(True):
-        assert tuner.choose(key, [(1,), (2,)], (2,), lambda: run, torch.device("cpu")) == (1,)
+        assert tuner.choose(key, [(1,), (2,)], (2,), lambda: ProfilingRun(run), torch.device("cpu")) == (1,)
     assert calls == []
     # Not tuning and nothing cached: the backend's default, no profiling.
-    assert tuner.choose(("other",), [(1,), (2,)], (2,), lambda: run, torch.device("cpu")) == (2,)
+    assert tuner.choose(("other",), [(1,), (2,)], (2,), lambda: ProfilingRun(run), torch.device("cpu")) == (2,)
     assert calls == []
 
 
 def test_cache_file_persists_across_restarts(tuner, tmp_path):
     path = tmp_path / "tactics.json"
     with autotune(True, cache=path):
-        tuner.choose(("k", 1), [(3,), (4,)], (4,), lambda: lambda t: None, torch.device("cpu"))
+        tuner.choose(("k", 1), [(3,), (4,)], (4,), lambda: ProfilingRun(lambda t: None), torch.device("cpu"))
     data = json.loads(path.read_text())
     assert data["version"] == 1 and len(data["entries"]) == 1
     tuner.cache.clear()
@@ -333,56 +333,108 @@ def test_default_tactic_takes_the_padded_tile_where_it_multiplies_fewer_rows_by_
     assert default(4096, 8, 256, 256, 4096, 7168, tiles=launcher.TOKEN_TILES + (256,)) == (128, WW, WW)
 
 
-def test_tuning_times_candidates_on_a_stand_in_routing_not_on_the_callers(tuner):
+class RoutingRecorder:
+    """A backend offering two tactics that records, for each run the tuner makes, the tactic, the routing tensor's
+    address and a copy of the routing it held."""
+
+    name = "recorder"
+
+    def __init__(self):
+        self.seen = []
+
+    def tactics(self, p):
+        return [(1,), (2,)]
+
+    def default_tactic(self, p):
+        return (1,)
+
+    def run(self, p, tactic, out, workspace):
+        self.seen.append((tactic, p.token_selected_experts.data_ptr(), p.token_selected_experts.clone()))
+
+
+def test_tuning_times_candidates_on_stand_in_routings_not_on_the_callers(tuner):
     """A bucket's tactic must not hang on its first call's routing: with expert parallelism a T=1 call often sends
-    no slot to this rank, and every tactic then ties at doing nothing. The candidates run on a stand-in routing of
-    the same shape (this rank gets its mean share, experts random-like loads); the caller's run uses the caller's."""
+    no slot to this rank, and every tactic then ties at doing nothing. The candidates run on stand-in routings of
+    the same shape (this rank gets its mean share, experts random-like loads), written before each round into one
+    tensor that every candidate reads (a captured graph keeps reading it); the caller's run uses the caller's."""
     from moe_ext import backends
 
     case = make_case("w4a16", num_tokens=4, top_k=2, num_experts=8, ep=4, rank=1)
     kwargs = case.kwargs()
     kwargs["token_selected_experts"] = torch.zeros_like(kwargs["token_selected_experts"])  # all on rank 0
     problem = build_problem(**kwargs)
-    seen = []
-
-    class Recorder:
-        name = "recorder"
-
-        def tactics(self, p):
-            return [(1,), (2,)]
-
-        def default_tactic(self, p):
-            return (1,)
-
-        def run(self, p, tactic, out, workspace):
-            seen.append(p.token_selected_experts)
-
+    recorder = RoutingRecorder()
+    seen = recorder.seen
     with autotune(True):
-        backends.select_tactic(problem, Recorder(), None, "op", None, None)
+        backends.select_tactic(problem, recorder, None, "op", None, None)
     assert seen, "candidates were profiled"
-    local = [int(((ids >= case.offset) & (ids < case.offset + case.num_local)).sum()) for ids in seen]
-    assert local == [2] * len(seen)  # 8 slots over 8 experts: this rank's 2 experts get one each
-    assert all(torch.equal(ids, seen[0]) for ids in seen)  # one routing for every candidate
-    assert all(len(set(row.tolist())) == 2 for row in seen[0])  # top-k distinct experts per token
+    assert len({ptr for _, ptr, _ in seen}) == 1  # one tensor, rewritten in place
+    routings = backends.profiling_routings(problem)
+    assert len(routings) == 1  # 8 slots over 8 experts: nothing random to average
+    for _, _, ids in seen:
+        assert torch.equal(ids, routings[0])
+    local = int(((routings[0] >= case.offset) & (routings[0] < case.offset + case.num_local)).sum())
+    assert local == 2  # this rank's 2 experts get one slot each
+    assert all(len(set(row.tolist())) == 2 for row in routings[0])  # top-k distinct experts per token
     # T=1 (K=8 of 256 experts, 32 a rank): one slot lands on every rank, as the mean load says.
     one = build_problem(**make_case("w4a16", num_tokens=1, top_k=8, num_experts=256, ep=8, rank=5).kwargs())
-    ids = backends.profiling_problem(one).token_selected_experts
+    (ids,) = backends.profiling_routings(one)
     assert [int(((ids >= 32 * r) & (ids < 32 * r + 32)).sum()) for r in range(8)] == [1] * 8
     # T*K > E: random loads (mean 8 rows here, binomial spread), not 8 rows each, which would make 8-token tiles
-    # look ideal; the same routing every time, and each rank still gets its share.
+    # look ideal; PROFILING_ROUTINGS different draws, the same ones every time, and each rank still gets its share.
     many = build_problem(**make_case("w4a16", num_tokens=256, top_k=8, num_experts=256, ep=8, rank=2).kwargs())
-    ids = backends.profiling_problem(many).token_selected_experts
-    assert torch.equal(ids, backends.profiling_problem(many).token_selected_experts)
-    assert all(len(set(row.tolist())) == 8 for row in ids)
-    loads = torch.bincount(ids.flatten().long(), minlength=256).float()
-    assert loads.mean() == 8 and 4 <= loads.var() <= 16  # Binomial(256, 1/32): variance 7.75
-    assert 0.3 <= float((loads > 8).float().mean()) <= 0.5  # the experts an 8-token tile streams twice
-    assert (loads.reshape(8, 32).sum(1) == 256).all()  # one slot of each token on each rank: its exact share
+    draws = backends.profiling_routings(many)
+    assert len(draws) == backends.PROFILING_ROUTINGS >= 2
+    assert all(torch.equal(a, b) for a, b in zip(draws, backends.profiling_routings(many)))
+    assert not any(torch.equal(draws[0], other) for other in draws[1:])
+    for ids in draws:
+        assert all(len(set(row.tolist())) == 8 for row in ids)
+        loads = torch.bincount(ids.flatten().long(), minlength=256).float()
+        assert loads.mean() == 8 and 4 <= loads.var() <= 16  # Binomial(256, 1/32): variance 7.75
+        assert 0.3 <= float((loads > 8).float().mean()) <= 0.5  # the experts an 8-token tile streams twice
+        assert (loads.reshape(8, 32).sum(1) == 256).all()  # one slot of each token on each rank: its exact share
     # Cached now: later calls do not profile again.
     seen.clear()
     with autotune(True):
-        backends.select_tactic(problem, Recorder(), None, "op", None, None)
+        backends.select_tactic(problem, recorder, None, "op", None, None)
     assert seen == []
+
+
+def test_tuning_cycles_every_candidate_through_every_stand_in_routing(tuner):
+    """Where loads are random each candidate is timed on each stand-in routing, a whole cycle of them per round
+    set, and the routings are written before the round's samples."""
+    from moe_ext import backends
+
+    problem = build_problem(**make_case("w4a16", num_tokens=16, top_k=2, num_experts=8).kwargs())
+    recorder = RoutingRecorder()
+    with autotune(True):
+        backends.select_tactic(problem, recorder, None, "op", None, None)
+    routings = backends.profiling_routings(problem)
+    warm_ups = 2
+    for tactic in ((1,), (2,)):
+        timed = [ids for t, _, ids in recorder.seen[warm_ups:] if t == tactic]
+        assert len(timed) % len(routings) == 0 and len(timed) >= len(routings)
+        for r, ids in enumerate(timed):
+            assert torch.equal(ids, routings[r % len(routings)])
+
+
+def test_profile_averages_each_candidates_median_over_the_routings():
+    """A candidate fastest on one routing but slow on the others loses to one that is faster on average."""
+    import time as _time
+
+    from moe_ext.tuning import profile
+
+    current = [0]
+    cost = {(1,): [0.0005, 0.004], (2,): [0.0015, 0.0015]}  # (1,) wins on routing 0, (2,) on average
+
+    def run(tactic):
+        _time.sleep(cost[tactic][current[0]])
+
+    routings = [lambda: current.__setitem__(0, 0), lambda: current.__setitem__(0, 1)]
+    timings = profile(run, list(cost), torch.device("cpu"), warmup=1, repeats=3, use_cuda_graph=False,
+                      max_repeats=3, routings=routings)
+    assert min(timings, key=timings.get) == (2,)
+    assert timings[(1,)] == pytest.approx(0.00225, rel=0.5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -396,9 +448,9 @@ def test_a_graph_wrapper_times_its_candidates_as_graph_replays(tuner, monkeypatc
     modes = []
     real_profile = tuning.profile
 
-    def spy(run, tactics, device, warmup, repeats, use_cuda_graph):
+    def spy(run, tactics, device, warmup, repeats, use_cuda_graph, **kwargs):
         modes.append(use_cuda_graph)
-        return real_profile(run, tactics, device, 1, 1, use_cuda_graph)
+        return real_profile(run, tactics, device, 1, 1, use_cuda_graph, **kwargs)
 
     monkeypatch.setattr(tuning, "profile", spy)
     case = make_case("w4a16", num_tokens=4)
