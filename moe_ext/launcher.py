@@ -325,6 +325,10 @@ DECODE_FC2_MIN_RANGE_STEPS = 9
 DECODE_DEEP_RING = True
 DECODE_DEEP_RING_STAGES = 6  # decode_fused.DEEP_CONFIG.stages
 DECODE_DEEP_RING_TILES_PER_SM = 2.0
+# Whether an unsplit 16-token w4a16 GEMM2 launches its persistent form (moe_gemm2_w4a16_t16_persistent,
+# kernels/sm90/persistent.py: one CTA a slot, the weight ring running on from one item into the next) where it is
+# linked. Built in session 47, not yet run on a GPU: `moe_ext.bench --persistent-gemm2` turns it on for an A/B.
+PERSISTENT_GEMM2 = False
 # Whether the untuned heuristic may pick FUSED_DECODE (default_tactic's `fused_decode`): on since session 35 ran
 # tests/test_fused_decode.py on the fixed build (h200_session35_checks.md).
 DEFAULT_FUSED_DECODE = True
@@ -362,6 +366,15 @@ def gemm1_kernel(mode: str, kind: str, tile: int, split: int) -> str:
 
 def gemm2_kernel(mode: str, tile: int, split: int) -> str:
     return f"moe_gemm2_{_GEMM2_MODE.get(mode, mode)}_t{tile}" + _kernel_suffix(split)
+
+
+def gemm2_launch(mode: str, tile: int, split: int) -> str:
+    """The GEMM2 object a forward launches: gemm2_kernel's, or its persistent form where PERSISTENT_GEMM2 asks and it
+    is linked (unsplit only: it launches no clusters)."""
+    name = gemm2_kernel(mode, tile, split)
+    if PERSISTENT_GEMM2 and split == 1 and has_kernel(name + "_persistent"):
+        return name + "_persistent"
+    return name
 
 
 def wide_weights(mode: str, kind: str, n1: int, hidden: int) -> tuple[bool, bool]:
@@ -830,7 +843,7 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
 
     def gemm2(d: int) -> None:
         w = parts[d]
-        launch(gemm2_kernel(mode, tile, k_splits[1]), [
+        launch(gemm2_launch(mode, tile, k_splits[1]), [
             buf["intermediate_bf16"], buf["row_scale"],
             _weight_view(_check("w2_weight", w.w2, u8, device, E * h_part * I // 2, 16)),
             _check("w2_weight_sf", w.w2_sf_bytes(), u8, device, swizzled_size(E, h_part, I // block), 16),

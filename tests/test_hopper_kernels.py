@@ -135,6 +135,29 @@ def test_part_filled_routing_tiles_at_their_edges(mode):
         check_against_reference(case, fused, every_tile=False)
 
 
+@pytest.mark.parametrize("shape", [(7168, 384), (2048, 640), (1024, 2048), (2944, 2944)], ids=str)
+def test_persistent_gemm2_equals_the_unsplit_one_bit_for_bit(monkeypatch, shape):
+    """The persistent 16-token GEMM2 (launcher.PERSISTENT_GEMM2) takes the same K steps of each item in the same
+    order as the unsplit streaming GEMM2, so the deterministic finalize's output is the same bits; fused, it
+    matches the reference. K = 3, 5, 16 and 23 steps (padding in the first copies, in the last pass, none, one
+    stage), and 56 x ~20 items at H = 7168: more items than the 396 persistent CTAs, so CTAs take several."""
+    hidden, inter = shape
+    case = make_case("w4a16", "swiglu", num_tokens=64, top_k=4, num_experts=16, hidden=hidden, inter=inter,
+                     seed=hidden + inter, weight_scale=0.02, invalid_fraction=0.05).to("cuda")
+    expected, gate = reference_and_gate(build_problem(**case.kwargs(use_fused_finalize=True)), TOLERANCE["w4a16"])
+    outs = {}
+    for persistent in (False, True):
+        monkeypatch.setattr(launcher, "PERSISTENT_GEMM2", persistent)
+        assert launcher.gemm2_launch("w4a16", 16, 1).endswith("_persistent") == persistent
+        for fused in (False, True):
+            out = moe_ext.cute_dsl_fused_moe(**case.kwargs(use_fused_finalize=fused), tactic=(16, 1, 1),
+                                             moe_output=torch.full_like(expected, float("nan")))
+            assert torch.isfinite(out).all(), (persistent, fused)
+            outs[persistent, fused] = out
+    assert torch.equal(outs[True, False], outs[False, False])
+    assert rel_l2(outs[True, True], expected) <= gate
+
+
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_pt", "w4a8"])
 def test_padded_wgmma_tile_at_its_edges(mode):
     """The 144-row routing tile (one m64n144 wgmma block; its epilogue covers rows 128-143 in a second pass), GEMM2

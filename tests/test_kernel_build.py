@@ -349,8 +349,8 @@ def test_wgmma_gemms_split_the_register_file_between_their_roles(built_kernels, 
 
 def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):
     """The 16-token streaming GEMMs run three CTAs an SM (stream.config_for), and so do the 8- and 32-token ones'
-    `_3cta` form, which caps them at 80 registers a thread: none of them may touch local memory (a spill would sit
-    in every K step's decode)."""
+    `_3cta` form and the persistent 16-token GEMM2, which caps them at 80 registers a thread: none of them may touch
+    local memory (a spill would sit in every K step's decode)."""
     from moe_ext.kernels.sm90 import stream
 
     assert stream.config_for(16, 1).ctas_per_sm == stream.config_for(16, 2).ctas_per_sm == 3
@@ -362,6 +362,7 @@ def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):
     listed = (built_kernels / "kernels.txt").read_text().split()
     names = [n for n in listed if n.endswith("_t16") or n.endswith("_t8_3cta") or n.endswith("_t32_3cta")]
     assert len(names) == 3 * 18  # each: 15 GEMM1 (modes x activations) + 3 GEMM2 (w4a4 runs w4a16's)
+    names.append("moe_gemm2_w4a16_t16_persistent")  # the 16-token form's persistent GEMM2 (persistent.py)
     for name in names:
         counts = kernel_sass.opcode_counts(kernel_sass.sass(str(built_kernels / f"{name}.o")))
         assert counts["LDL"] + counts["STL"] == 0, name

@@ -15,12 +15,15 @@ quantization decoded, so w4a4 runs the w4a16 kernel. Modes: w2 NVFP4 (w4a16), NV
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, GridConstant, Int32, Int64
 from cutlass.experimental.cuda import TensorMap
 
+from . import persistent as persistent_loop
 from . import ptx
 from . import stream as streaming
 
@@ -43,11 +46,62 @@ def output_row_and_scale(per_token: cutlass.Constexpr, fused: cutlass.Boolean, s
     return out_row, scale
 
 
-def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = None):
-    """cfg: as in gemm1.make_kernel."""
+def fc2_input_loads(a_bf16: cute.Tensor, inter, row0, limit):
+    """The load_group (stream.accumulate) of a tile whose rows are FC2-input rows [row0, limit)."""
+
+    def load_group(r, kk, k_end):
+        """8 values of FC2-input row row0 + r at K = kk."""
+        valid = (row0 + r < limit) & (kk < k_end)
+        row = cute.math.min(row0 + r, limit - 1)
+        kk = cute.math.min(kk, inter - 8)
+        return streaming.token_group(a_bf16, Int64(row) * Int64(inter) + Int64(kk)), valid
+
+    return load_group
+
+
+class Output(NamedTuple):
+    """What GEMM2's epilogue reads besides the accumulator tile: the kernel's output arguments."""
+
+    out: cute.Tensor
+    out_pitch: Int32
+    col_offset: Int32
+    permuted_to_expanded: cute.Tensor
+    w2_alpha: cute.Tensor
+    token_final_scales: cute.Tensor
+    row_scale: cute.Tensor
+    top_k: Int32
+    fused: cutlass.Boolean
+
+
+@cute.jit
+def store_output(o: Output, s_c: cute.Tensor, tid, owner, row0, limit, expert, n_tile,
+                 per_token: cutlass.Constexpr, tokens: cutlass.Constexpr, cfg: cutlass.Constexpr):
+    """The epilogue of one tile, where `owner`: thread -> (token row, consecutive output columns) of the fp32
+    accumulator tile s_c, scaled and written (fused: added) by the finalize rule (output_row_and_scale)."""
+    cols_per_thread = cfg.rows * tokens // cfg.threads
+    a_row = tid // (cfg.threads // tokens)
+    part = tid % (cfg.threads // tokens)
+    row = row0 + a_row
+    if owner and row < limit:
+        out_row, scale = output_row_and_scale(per_token, o.fused, o.permuted_to_expanded[row], row, expert, o.top_k,
+                                              o.w2_alpha, o.token_final_scales, o.row_scale)
+        c0 = part * cols_per_thread
+        words = [ptx.pack_bf16x2(scale * s_c[a_row, c0 + 2 * i], scale * s_c[a_row, c0 + 2 * i + 1])
+                 for i in range(cols_per_thread // 2)]
+        address = o.out.iterator.toint() + (Int64(out_row) * Int64(o.out_pitch) + Int64(
+            o.col_offset + n_tile * cfg.rows + c0)) * 2
+        if o.fused:
+            ptx.write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
+        else:
+            ptx.write_words(address, words)
+
+
+def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = None, persistent: bool = False):
+    """cfg: as in gemm1.make_kernel. persistent: one CTA a slot, items (routing tile, weight-row tile) by stride
+    through persistent.stream_items (the launch's K split is ignored: none)."""
     b_block = 32 if mode == "w4a8" else 16
     cfg = cfg or streaming.config_for(tokens, 2)
-    cols_per_thread = cfg.rows * tokens // cfg.threads  # epilogue: output columns per thread
+    per_token = mode == "w4a4_pt"
 
     @cute.kernel
     def gemm2_kernel(a_bf16: cute.Tensor, row_scale: cute.Tensor,
@@ -59,39 +113,35 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
         tid, _, _ = cute.arch.thread_idx()
         tile, n_tile, rank = cute.arch.block_idx()  # rank: this CTA's K range inside its cluster
         cute.arch.griddepcontrol_wait()
-        if tile < num_live_tiles[0]:
+        if cutlass.const_expr(persistent):
+            sm = streaming.allocate(tokens, cfg)
+            output = Output(out, out_pitch, col_offset, permuted_to_expanded, w2_alpha, token_final_scales, row_scale,
+                            top_k, fused)
+            n_tiles = hidden // cfg.rows
+
+            def item_of(i):
+                item_tile = i // n_tiles
+                item_n = i - item_tile * n_tiles
+                return persistent_loop.Item(item_tile, item_n, tile_to_expert[item_tile], item_n * cfg.rows,
+                                            item_tile * tokens, tile_to_mn_limit[item_tile])
+
+            persistent_loop.stream_items(
+                sm, tid, w2_sf, w2_map, hidden, inter, tile, cute.arch.grid_dim()[0], num_live_tiles[0] * n_tiles,
+                item_of, lambda item: fc2_input_loads(a_bf16, inter, item.row0, item.limit),
+                lambda item: store_output(output, sm.out, tid, rank == 0, item.row0, item.limit, item.expert,
+                                          item.n_tile, per_token, tokens, cfg),
+                tokens, cfg, b_block)
+        elif tile < num_live_tiles[0]:
             expert = tile_to_expert[tile]
             limit = tile_to_mn_limit[tile]
             row0 = tile * tokens
             sm = streaming.allocate(tokens, cfg)
-
-            def load_group(r, kk, k_end):
-                """8 values of FC2-input row row0 + r at K = kk."""
-                valid = (row0 + r < limit) & (kk < k_end)
-                row = cute.math.min(row0 + r, limit - 1)
-                kk = cute.math.min(kk, inter - 8)
-                return streaming.token_group(a_bf16, Int64(row) * Int64(inter) + Int64(kk)), valid
-
             streaming.accumulate(sm, tid, w2_sf, w2_map, expert, n_tile * cfg.rows, hidden, inter, rank,
-                                 k_split, limit - row0, tokens, cfg, b_block, load_group)
-            s_c = sm.out
-
-            # Epilogue: thread -> (token row, cols_per_thread consecutive output columns).
-            a_row = tid // (cfg.threads // tokens)
-            part = tid % (cfg.threads // tokens)
-            row = row0 + a_row
-            if rank == 0 and row < limit:
-                out_row, scale = output_row_and_scale(mode == "w4a4_pt", fused, permuted_to_expanded[row], row,
-                                                      expert, top_k, w2_alpha, token_final_scales, row_scale)
-                c0 = part * cols_per_thread
-                words = [ptx.pack_bf16x2(scale * s_c[a_row, c0 + 2 * i], scale * s_c[a_row, c0 + 2 * i + 1])
-                         for i in range(cols_per_thread // 2)]
-                address = out.iterator.toint() + (Int64(out_row) * Int64(out_pitch) + Int64(
-                    col_offset + n_tile * cfg.rows + c0)) * 2
-                if fused:
-                    ptx.write_words(address, words, ptx.red_add_bf16x2_v4, ptx.red_add_bf16x2)
-                else:
-                    ptx.write_words(address, words)
+                                 k_split, limit - row0, tokens, cfg, b_block,
+                                 fc2_input_loads(a_bf16, inter, row0, limit))
+            store_output(Output(out, out_pitch, col_offset, permuted_to_expanded, w2_alpha, token_final_scales,
+                                row_scale, top_k, fused), sm.out, tid, rank == 0, row0, limit, expert, n_tile,
+                         per_token, tokens, cfg)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
@@ -102,18 +152,21 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
                col_offset: Int32, top_k: Int32, fused: cutlass.Boolean, k_split: Int32, pdl: cutlass.Boolean,
                stream: cuda.CUstream):
         w2_map = streaming.weight_map(w2, cute.size(w2_alpha), hidden, inter, cfg)
+        grid, cluster = (cute.size(tile_to_expert), hidden // cfg.rows, k_split), (1, 1, k_split)
+        if cutlass.const_expr(persistent):
+            items = cute.size(tile_to_expert) * (hidden // cfg.rows)
+            grid, cluster = (cute.math.min(items, persistent_loop.persistent_ctas(cfg)), 1, 1), (1, 1, 1)
         gemm2_kernel(a_bf16, row_scale, w2_sf, w2_map, w2_alpha, token_final_scales,
                      permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out, hidden, inter,
                      out_pitch, col_offset, top_k, fused, k_split).launch(
-            grid=(cute.size(tile_to_expert), hidden // cfg.rows, k_split), block=(cfg.threads, 1, 1),
-            cluster=(1, 1, k_split), stream=stream, use_pdl=pdl, min_blocks_per_mp=cfg.ctas_per_sm,
-            preferred_smem_carveout=100)
+            grid=grid, block=(cfg.threads, 1, 1), cluster=cluster, stream=stream, use_pdl=pdl,
+            min_blocks_per_mp=cfg.ctas_per_sm, preferred_smem_carveout=100)
 
     return launch
 
 
-def compile_gemm2(mode: str, tokens: int, options: str, three_ctas: bool = False):
-    return compile_launch(make_kernel(mode, tokens, streaming.config_for(tokens, 2, three_ctas)), options)
+def compile_gemm2(mode: str, tokens: int, options: str, three_ctas: bool = False, persistent: bool = False):
+    return compile_launch(make_kernel(mode, tokens, streaming.config_for(tokens, 2, three_ctas), persistent), options)
 
 
 def compile_launch(launch, options: str, stream=None):
