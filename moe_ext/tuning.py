@@ -26,6 +26,8 @@ class ProfilingRun(NamedTuple):
 
     run: Callable[[Tactic], None]
     routings: Sequence[Callable[[], None]] = ()
+
+
 # Whether profile evicts the GPU's L2 before each timed sample. A served layer's weights come from DRAM (the
 # other layers' run in between) and moe_ext.bench rotates weight copies so that they do; timed back to back on the
 # same inputs a candidate keeps part of its weights in L2 (50-60 MB), which may favour the kernel chain over the

@@ -113,17 +113,17 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
         tid, _, _ = cute.arch.thread_idx()
         tile, n_tile, rank = cute.arch.block_idx()  # rank: this CTA's K range inside its cluster
         cute.arch.griddepcontrol_wait()
+        output = Output(out, out_pitch, col_offset, permuted_to_expanded, w2_alpha, token_final_scales, row_scale,
+                        top_k, fused)
         if cutlass.const_expr(persistent):
             sm = streaming.allocate(tokens, cfg)
-            output = Output(out, out_pitch, col_offset, permuted_to_expanded, w2_alpha, token_final_scales, row_scale,
-                            top_k, fused)
             n_tiles = hidden // cfg.rows
 
             def item_of(i):
                 item_tile = i // n_tiles
                 item_n = i - item_tile * n_tiles
-                return persistent_loop.Item(item_tile, item_n, tile_to_expert[item_tile], item_n * cfg.rows,
-                                            item_tile * tokens, tile_to_mn_limit[item_tile])
+                return persistent_loop.Item(item_n, tile_to_expert[item_tile], item_n * cfg.rows, item_tile * tokens,
+                                            tile_to_mn_limit[item_tile])
 
             persistent_loop.stream_items(
                 sm, tid, w2_sf, w2_map, hidden, inter, tile, cute.arch.grid_dim()[0], num_live_tiles[0] * n_tiles,
@@ -139,9 +139,7 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
             streaming.accumulate(sm, tid, w2_sf, w2_map, expert, n_tile * cfg.rows, hidden, inter, rank,
                                  k_split, limit - row0, tokens, cfg, b_block,
                                  fc2_input_loads(a_bf16, inter, row0, limit))
-            store_output(Output(out, out_pitch, col_offset, permuted_to_expanded, w2_alpha, token_final_scales,
-                                row_scale, top_k, fused), sm.out, tid, rank == 0, row0, limit, expert, n_tile,
-                         per_token, tokens, cfg)
+            store_output(output, sm.out, tid, rank == 0, row0, limit, expert, n_tile, per_token, tokens, cfg)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit

@@ -30,10 +30,9 @@ from .fp4 import swizzled_sf_offset
 
 
 class Item(NamedTuple):
-    """One work item: weight rows [first_row, first_row + rows) of `expert` for routing tile `tile`, whose token rows
-    are permuted rows [row0, limit)."""
+    """One work item: weight-row tile `n_tile` (rows [first_row, first_row + rows) of `expert`) for the routing tile
+    whose token rows are permuted rows [row0, limit)."""
 
-    tile: Int32
     n_tile: Int32
     expert: Int32
     first_row: Int32
@@ -139,20 +138,6 @@ def item_mainloop(sm, tid, place, ring: Ring, passes, k_end, acc: cute.Tensor, t
                    True)
 
 
-@cute.jit
-def narrowest_item_mainloop(loop_args: tuple, live_rows, widths: cutlass.Constexpr):
-    """item_mainloop at the narrowest of `widths` that holds the item's live rows (stream.narrowest_mainloop's
-    tree of comparisons)."""
-    if cutlass.const_expr(len(widths) == 1):
-        item_mainloop(*loop_args, widths[0])
-    else:
-        half = len(widths) // 2
-        if live_rows <= widths[half - 1]:
-            narrowest_item_mainloop(loop_args, live_rows, widths[:half])
-        else:
-            narrowest_item_mainloop(loop_args, live_rows, widths[half:])
-
-
 def item_source(item: Item, w_map_address: Int64, sf_address: Int64, rows_per_expert, k_extent,
                 block: int) -> streaming.TmaSource:
     """Where an item's copies come from (stream.TmaSource, as tma_mainloop builds it for a CTA)."""
@@ -198,7 +183,8 @@ def stream_items(sm, tid, w_sf, w_map, rows_per_expert, k_extent, first_item, st
                     item_source(item_of(cute.math.min(i + stride, num_items - 1)), *where), j + 1 < mine)
         acc.fill(0.0)
         loop_args = (sm, tid, place, ring, passes, k_end, acc, tokens, cfg, block, load_group_of(item))
-        narrowest_item_mainloop(loop_args, item.limit - item.row0, streaming.mainloop_widths(tokens, cfg))
+        streaming.narrowest_mainloop(item_mainloop, loop_args, item.limit - item.row0,
+                                     streaming.mainloop_widths(tokens, cfg))
         cute.arch.sync_threads()  # every warp is done with the token tile that the accumulators overwrite
         if tid < 32:  # the last group's slots, every warp having released them: the next item's next stages
             for u in cutlass.range_constexpr(cfg.stages_per_wait):

@@ -510,7 +510,7 @@ def accumulate(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_exten
     loop_args = (sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_extent, first, steps, k_end,
                  part, acc, tokens, cfg, block, load_group)
 
-    narrowest_mainloop(loop_args, live_rows, mainloop_widths(tokens, cfg), trace, ready)
+    narrowest_mainloop(tma_mainloop, loop_args, live_rows, mainloop_widths(tokens, cfg), (trace, ready))
     if cutlass.const_expr(cfg.mma == "wgmma_async"):
         ptx.wgmma_wait(0)
     cute.arch.sync_threads()
@@ -533,20 +533,20 @@ def accumulate(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_exten
 
 
 @cute.jit
-def narrowest_mainloop(loop_args: tuple, live_rows, widths: cutlass.Constexpr,
-                       trace: cutlass.Constexpr = None, ready: cutlass.Constexpr = None):
-    """tma_mainloop at the narrowest of `widths` that holds the live rows, through a tree of comparisons on the
-    CTA-uniform row count (an expert's rows past this tile take the full width). The same four widths chosen by
-    equality on a computed index ran 1.33x slower than halves on the H200 (session 18), its loops full of R2UR
-    moves the halves' lacked."""
+def narrowest_mainloop(mainloop: cutlass.Constexpr, loop_args: tuple, live_rows, widths: cutlass.Constexpr,
+                       after: cutlass.Constexpr = ()):
+    """mainloop(*loop_args, width, *after) at the narrowest of `widths` that holds the live rows (tma_mainloop, or
+    persistent.item_mainloop), through a tree of comparisons on the CTA-uniform row count (an expert's rows past
+    this tile take the full width). The same four widths chosen by equality on a computed index ran 1.33x slower
+    than halves on the H200 (session 18), its loops full of R2UR moves the halves' lacked."""
     if cutlass.const_expr(len(widths) == 1):
-        tma_mainloop(*loop_args, widths[0], trace, ready)
+        mainloop(*loop_args, widths[0], *after)
     else:
         half = len(widths) // 2
         if live_rows <= widths[half - 1]:
-            narrowest_mainloop(loop_args, live_rows, widths[:half], trace, ready)
+            narrowest_mainloop(mainloop, loop_args, live_rows, widths[:half], after)
         else:
-            narrowest_mainloop(loop_args, live_rows, widths[half:], trace, ready)
+            narrowest_mainloop(mainloop, loop_args, live_rows, widths[half:], after)
 
 
 def task_position(tid, m: int, threads: int, per_row: int):
