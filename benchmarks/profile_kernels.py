@@ -17,7 +17,7 @@ import statistics
 import torch
 
 import moe_ext
-from moe_ext.bench import (SHAPES, Point, force_persistent_gemm2, gpu_state, moe_ext_inputs, point_seed,
+from moe_ext.bench import (SHAPES, Point, gpu_state, moe_ext_inputs, point_seed,
                            random_moe_ext_weights, random_routing, routing_stats, supported_dims)
 
 
@@ -90,10 +90,7 @@ def main():
     parser.add_argument("--ncu", action="store_true", help="one unprofiled forward per point, for ncu")
     parser.add_argument("--min-local-pairs", type=int, default=0,
                         help="the first input set whose routing sends this many pairs to the local experts")
-    parser.add_argument("--persistent-gemm2", action="store_true",
-                        help="the unsplit 16-token w4a16 GEMM2 in its persistent form (launcher.PERSISTENT_GEMM2)")
     args = parser.parse_args()
-    force_persistent_gemm2(args.persistent_gemm2)
     tactic = None if args.tactic is None else tuple(int(v) for v in args.tactic.split(","))
     label = "default" if tactic is None else ",".join(map(str, tactic))  # one field for the scripts' awk
     for point in args.points.split(","):

@@ -50,7 +50,8 @@ class HopperBackend:
     split): tokens per CTA of the streaming GEMMs (a tile the kernels were compiled for) and how many CTAs of a
     cluster share each GEMM tile's K steps; split launcher.WGMMA (0) runs that GEMM's warp-specialised wgmma kernel
     instead (128-token tile; in the quantized modes both GEMMs or neither), launcher.WGMMA_WIDE (-1) its 256-row
-    weight tiles, launcher.THREE_CTAS (-2) its streaming kernel's three-CTAs-an-SM form (8- and 32-token tiles);
+    weight tiles, launcher.THREE_CTAS (-2) its streaming kernel's three-CTAs-an-SM form (8- and 32-token tiles),
+    GEMM2's launcher.PERSISTENT (-4) its persistent 16-token streaming form;
     (8, launcher.FUSED_DECODE, launcher.FUSED_DECODE) (-3) runs the whole small-T forward as one launch."""
 
     name: str = "sm90"
@@ -90,6 +91,13 @@ class HopperBackend:
         return launcher.kernel_forms(problem.kernel_mode, problem.activation.kind, problem.n1 // parts,
                                      problem.hidden_size // parts)
 
+    @classmethod
+    def _default_forms(cls, problem: MoEProblem) -> dict:
+        """_forms less the ones only the tuner takes (launcher.PERSISTENT: it won and lost by shape)."""
+        forms = cls._forms(problem)
+        del forms["persistent"]
+        return forms
+
     @staticmethod
     def _both_widths(problem: MoEProblem) -> bool:
         """Localized shards with localized_allow_nonlocalized: the full-width path is a candidate too, and a fourth
@@ -120,7 +128,7 @@ class HopperBackend:
                                          fused_decode=launcher.DEFAULT_FUSED_DECODE
                                          and launcher.fits_fused_decode(problem),
                                          decode_gemm2_idle=launcher.decode_gemm2_idle(problem),
-                                         **self._forms(problem))
+                                         **self._default_forms(problem))
         return tactic + (1,) if self._both_widths(problem) else tactic
 
     def run(self, problem: MoEProblem, tactic: Tactic, out: torch.Tensor,

@@ -191,9 +191,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="FUSED_DECODE's kernel form: the launcher's rules, one form wherever the one-launch "
                              "forward runs, the rules without the deep-ring variant, or GEMM2 split wherever the "
                              "grid has room for two K ranges (A/Bs of the rules)")
-    parser.add_argument("--persistent-gemm2", action="store_true",
-                        help="launch the unsplit 16-token w4a16 GEMM2 in its persistent form "
-                             "(launcher.PERSISTENT_GEMM2; refused where it is not linked)")
     parser.add_argument("--host-overhead", action="store_true",
                         help="instead of the sweep: host time of an eager wrapper.run at T=1 and the kernel nodes "
                              "of a captured forward, per shape, mode and finalize")
@@ -1037,14 +1034,6 @@ def force_decode_form(form: str) -> None:
         launcher.DECODE_GEMM2_MIN_STEPS = 1
 
 
-def force_persistent_gemm2(on: bool) -> None:
-    """--persistent-gemm2: launcher.PERSISTENT_GEMM2, refused where the persistent object is not linked (the
-    launcher would run the other one)."""
-    if on and not launcher.has_kernel(launcher.gemm2_kernel("w4a16", 16, 1) + "_persistent"):
-        raise SystemExit("--persistent-gemm2: the launcher links no persistent GEMM2 (a build older than the tree?)")
-    launcher.PERSISTENT_GEMM2 = on
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -1053,7 +1042,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
     force_decode_form(args.decode_form)
-    force_persistent_gemm2(args.persistent_gemm2)
     run = Run(args, device, l2_bytes(device), run_metadata(argv, torch.cuda.get_device_name(device)), [])
     if args.energy_seconds > 0:
         run.energy = EnergyCounter(device.index)

@@ -325,10 +325,14 @@ DECODE_FC2_MIN_RANGE_STEPS = 9
 DECODE_DEEP_RING = True
 DECODE_DEEP_RING_STAGES = 6  # decode_fused.DEEP_CONFIG.stages
 DECODE_DEEP_RING_TILES_PER_SM = 2.0
-# Whether an unsplit 16-token w4a16 GEMM2 launches its persistent form (moe_gemm2_w4a16_t16_persistent,
-# kernels/sm90/persistent.py: one CTA a slot, the weight ring running on from one item into the next) where it is
-# linked. Built in session 47, not yet run on a GPU: `moe_ext.bench --persistent-gemm2` turns it on for an A/B.
-PERSISTENT_GEMM2 = False
+# The GEMM2 "split" that selects the 16-token w4a16 GEMM2's persistent form (moe_gemm2_w4a16_t16_persistent,
+# kernels/sm90/persistent.py: 396 CTAs, three an SM of 132, take the (routing tile, 128-row weight tile) items by
+# stride, the weight ring running on from one item into the next; no K split). Offered to the tuner only: against
+# the unsplit GEMM2 on one H100 (h100_session48_checks.md) GEMM2 ran 1.04x faster at DeepSeek-V3 T=256 and
+# gpt-oss-120b T=256 and 0.90x / 0.93x at Qwen3-30B-A3B T=64 and DeepSeek-V3 EP8 T=256 (whole forwards 1.013x,
+# 1.002x, 0.975x, 0.98x).
+PERSISTENT = -4
+PERSISTENT_TILE = 16
 # Whether the untuned heuristic may pick FUSED_DECODE (default_tactic's `fused_decode`): on since session 35 ran
 # tests/test_fused_decode.py on the fixed build (h200_session35_checks.md).
 DEFAULT_FUSED_DECODE = True
@@ -357,7 +361,8 @@ def is_wgmma(split: int) -> bool:
 
 
 def _kernel_suffix(split: int) -> str:
-    return {WGMMA: "_wgmma", WGMMA_WIDE: f"_wgmma_n{WIDE_WEIGHT_ROWS}", THREE_CTAS: "_3cta"}.get(split, "")
+    return {WGMMA: "_wgmma", WGMMA_WIDE: f"_wgmma_n{WIDE_WEIGHT_ROWS}", THREE_CTAS: "_3cta",
+            PERSISTENT: "_persistent"}.get(split, "")
 
 
 def gemm1_kernel(mode: str, kind: str, tile: int, split: int) -> str:
@@ -366,15 +371,6 @@ def gemm1_kernel(mode: str, kind: str, tile: int, split: int) -> str:
 
 def gemm2_kernel(mode: str, tile: int, split: int) -> str:
     return f"moe_gemm2_{_GEMM2_MODE.get(mode, mode)}_t{tile}" + _kernel_suffix(split)
-
-
-def gemm2_launch(mode: str, tile: int, split: int) -> str:
-    """The GEMM2 object a forward launches: gemm2_kernel's, or its persistent form where PERSISTENT_GEMM2 asks and it
-    is linked (unsplit only: it launches no clusters)."""
-    name = gemm2_kernel(mode, tile, split)
-    if PERSISTENT_GEMM2 and split == 1 and has_kernel(name + "_persistent"):
-        return name + "_persistent"
-    return name
 
 
 def wide_weights(mode: str, kind: str, n1: int, hidden: int) -> tuple[bool, bool]:
@@ -395,7 +391,8 @@ def kernel_forms(mode: str, kind: str, n1: int, hidden: int) -> dict:
     """What the linked kernels of this kernel mode and activation offer GEMMs of n1 (GEMM1) and hidden (GEMM2)
     weight rows a launch: the keyword arguments of tactics() and default_tactic() beyond the tiles."""
     return dict(wgmma=has_wgmma(mode, kind), wide=wide_weights(mode, kind, n1, hidden),
-                three_ctas=has_three_ctas(mode, kind), narrow_wgmma=narrow_wgmma_tiles(mode, kind))
+                three_ctas=has_three_ctas(mode, kind), narrow_wgmma=narrow_wgmma_tiles(mode, kind),
+                persistent=has_kernel(gemm2_kernel(mode, PERSISTENT_TILE, PERSISTENT)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -426,18 +423,21 @@ def narrow_wgmma_tiles(mode: str, kind: str) -> tuple:
 
 
 def tactics(tiles: tuple, wgmma: bool = False, wide: tuple = (False, False), three_ctas: bool = False,
-            narrow_wgmma: tuple = ()) -> list[tuple]:
+            narrow_wgmma: tuple = (), persistent: bool = False) -> list[tuple]:
     """Hopper tactics: (routing tile, GEMM1 K split or WGMMA, GEMM2 K split or WGMMA); WGMMA on both GEMMs or neither. A
     tile outside TOKEN_TILES (WIDE_WGMMA_TILE, PADDED_WGMMA_TILE) runs only as (tile, WGMMA, WGMMA), the padded one also
     as (tile, WGMMA, WGMMA_WIDE) where `wide` allows. `wide` (wide_weights): the GEMMs that may take WGMMA_WIDE on
     128-token tiles. `three_ctas` (has_three_ctas): on THREE_CTA_TILES, either GEMM may take
     THREE_CTAS in place of a K split. `narrow_wgmma` (narrow_wgmma_tiles): these streaming tiles also run both GEMMs on
-    wgmma kernels (either of them WGMMA_WIDE where `wide` allows)."""
+    wgmma kernels (either of them WGMMA_WIDE where `wide` allows). `persistent`: on PERSISTENT_TILE, GEMM2 may take
+    PERSISTENT beside any GEMM1 split."""
 
     def forms(t: int) -> tuple:
         return K_SPLITS + (THREE_CTAS,) if three_ctas and t in THREE_CTA_TILES else K_SPLITS
 
     out = [(t, s1, s2) for t in tiles if t in TOKEN_TILES for s1 in forms(t) for s2 in forms(t)]
+    if persistent and PERSISTENT_TILE in tiles:
+        out += [(PERSISTENT_TILE, s1, PERSISTENT) for s1 in K_SPLITS]
     if wgmma and WGMMA_TILE in tiles:
         out.append((WGMMA_TILE, WGMMA, WGMMA))
     firsts = (WGMMA, WGMMA_WIDE) if wide[0] else (WGMMA,)
@@ -762,9 +762,9 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     """routing -> GEMM1 (-> per-token FC2 quantize) -> GEMM2 (-> finalize) on the current stream; every grid
     depends on T only, so the sequence can be captured in a CUDA graph once and replayed for any routing.
 
-    k_splits: the cluster K split of GEMM1 and GEMM2 (K_SPLITS, THREE_CTAS, or WGMMA / WGMMA_WIDE for the wgmma
-    kernels). In w4a4 / w4a8 the routing launch also decodes x to bf16 and GEMM1 stores the FC2 input's
-    quantization decoded, so both GEMMs of either family read bf16. Fused finalize:
+    k_splits: the cluster K split of GEMM1 and GEMM2 (K_SPLITS, THREE_CTAS, GEMM2's PERSISTENT, or WGMMA /
+    WGMMA_WIDE for the wgmma kernels). In w4a4 / w4a8 the routing launch also decodes x to bf16 and GEMM1 stores the
+    FC2 input's quantization decoded, so both GEMMs of either family read bf16. Fused finalize:
     `out` is zeroed (on the `aux` ForkJoin's stream, overlapping GEMM1, or in order on the current stream without
     one) and GEMM2 adds each router-weighted row into it; deterministic: GEMM2 writes per-slot rows and the
     finalize kernel sums them. Localized shards (problem.shards): FC1 of each shard writes its half of the
@@ -796,6 +796,8 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     if THREE_CTAS in k_splits and routing.tile_size not in THREE_CTA_TILES:
         raise ValueError(f"k_splits {k_splits}: THREE_CTAS runs on {THREE_CTA_TILES}-token routing tiles, not "
                          f"{routing.tile_size}")
+    if PERSISTENT in k_splits and (k_splits[0] == PERSISTENT or routing.tile_size != PERSISTENT_TILE):
+        raise ValueError(f"k_splits {k_splits}: PERSISTENT runs GEMM2 on {PERSISTENT_TILE}-token routing tiles")
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
     dummy = _dummies(device)
     rows = routing.permuted_to_expanded.numel()
@@ -843,7 +845,7 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
 
     def gemm2(d: int) -> None:
         w = parts[d]
-        launch(gemm2_launch(mode, tile, k_splits[1]), [
+        launch(gemm2_kernel(mode, tile, k_splits[1]), [
             buf["intermediate_bf16"], buf["row_scale"],
             _weight_view(_check("w2_weight", w.w2, u8, device, E * h_part * I // 2, 16)),
             _check("w2_weight_sf", w.w2_sf_bytes(), u8, device, swizzled_size(E, h_part, I // block), 16),

@@ -392,20 +392,6 @@ def test_decode_form_is_refused_when_its_objects_are_not_linked(monkeypatch):
     bench.force_decode_form("rule")
 
 
-def test_persistent_gemm2_flag_takes_the_persistent_object_where_gemm2_is_unsplit(monkeypatch):
-    monkeypatch.setattr(bench.launcher, "has_kernel", lambda name: True)
-    monkeypatch.setattr(bench.launcher, "PERSISTENT_GEMM2", False)
-    assert bench.launcher.gemm2_launch("w4a16", 16, 1) == "moe_gemm2_w4a16_t16"
-    bench.force_persistent_gemm2(True)
-    assert bench.launcher.gemm2_launch("w4a16", 16, 1) == "moe_gemm2_w4a16_t16_persistent"
-    assert bench.launcher.gemm2_launch("w4a4", 16, 1) == "moe_gemm2_w4a16_t16_persistent"  # w4a16's GEMM2
-    assert bench.launcher.gemm2_launch("w4a16", 16, 2) == "moe_gemm2_w4a16_t16"  # split K: clusters, not persistent
-    monkeypatch.setattr(bench.launcher, "has_kernel", lambda name: not name.endswith("_persistent"))
-    assert bench.launcher.gemm2_launch("w4a8", 16, 1) == "moe_gemm2_w4a8_t16"
-    with pytest.raises(SystemExit, match="--persistent-gemm2"):
-        bench.force_persistent_gemm2(True)
-
-
 def test_metadata_names_command_and_tree():
     meta = bench.run_metadata(["--tokens", "1", "--out", "a b.json"], "NVIDIA H200")
     assert meta["command"] == "python -m moe_ext.bench --tokens 1 --out 'a b.json'"

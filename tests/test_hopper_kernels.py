@@ -49,6 +49,10 @@ def check_against_reference(case, fused, every_tile=True, **over):
     three = [(8, C, C), (8, C, 2), (8, 4, C), (32, C, C)]
     assert all(t in HOPPER.tactics(problem) for t in three), "every mode links the three-CTA form"
     chosen += three if every_tile else three[:1]
+    persistent = (16, 2, launcher.PERSISTENT)  # w4a16's GEMM2 (w4a4's too), beside a GEMM1 K split
+    if case.mode in ("w4a16", "w4a4") and 16 in tiles:
+        assert persistent in HOPPER.tactics(problem), "the build links the persistent GEMM2"
+        chosen.append(persistent)
     for tactic in chosen:
         poisoned = torch.full_like(expected, float("nan"))
         out = moe_ext.cute_dsl_fused_moe(**kw, moe_output=poisoned, tactic=tactic)
@@ -136,9 +140,9 @@ def test_part_filled_routing_tiles_at_their_edges(mode):
 
 
 @pytest.mark.parametrize("shape", [(7168, 384), (2048, 640), (1024, 2048), (2944, 2944)], ids=str)
-def test_persistent_gemm2_equals_the_unsplit_one_bit_for_bit(monkeypatch, shape):
-    """The persistent 16-token GEMM2 (launcher.PERSISTENT_GEMM2) takes the same K steps of each item in the same
-    order as the unsplit streaming GEMM2, so the deterministic finalize's output is the same bits; fused, it
+def test_persistent_gemm2_equals_the_unsplit_one_bit_for_bit(shape):
+    """The persistent 16-token GEMM2 (GEMM2's tactic launcher.PERSISTENT) takes the same K steps of each item in the
+    same order as the unsplit streaming GEMM2, so the deterministic finalize's output is the same bits; fused, it
     matches the reference. K = 3, 5, 16 and 23 steps (padding in the first copies, in the last pass, none, one
     stage), and 56 x ~20 items at H = 7168: more items than the 396 persistent CTAs, so CTAs take several."""
     hidden, inter = shape
@@ -146,16 +150,16 @@ def test_persistent_gemm2_equals_the_unsplit_one_bit_for_bit(monkeypatch, shape)
                      seed=hidden + inter, weight_scale=0.02, invalid_fraction=0.05).to("cuda")
     expected, gate = reference_and_gate(build_problem(**case.kwargs(use_fused_finalize=True)), TOLERANCE["w4a16"])
     outs = {}
-    for persistent in (False, True):
-        monkeypatch.setattr(launcher, "PERSISTENT_GEMM2", persistent)
-        assert launcher.gemm2_launch("w4a16", 16, 1).endswith("_persistent") == persistent
+    for split2 in (1, launcher.PERSISTENT):
         for fused in (False, True):
-            out = moe_ext.cute_dsl_fused_moe(**case.kwargs(use_fused_finalize=fused), tactic=(16, 1, 1),
+            kw = case.kwargs(use_fused_finalize=fused)
+            assert (16, 1, split2) in HOPPER.tactics(build_problem(**kw)), "the build links the persistent GEMM2"
+            out = moe_ext.cute_dsl_fused_moe(**kw, tactic=(16, 1, split2),
                                              moe_output=torch.full_like(expected, float("nan")))
-            assert torch.isfinite(out).all(), (persistent, fused)
-            outs[persistent, fused] = out
-    assert torch.equal(outs[True, False], outs[False, False])
-    assert rel_l2(outs[True, True], expected) <= gate
+            assert torch.isfinite(out).all(), (split2, fused)
+            outs[split2, fused] = out
+    assert torch.equal(outs[launcher.PERSISTENT, False], outs[1, False])
+    assert rel_l2(outs[launcher.PERSISTENT, True], expected) <= gate
 
 
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a4_pt", "w4a8"])

@@ -31,7 +31,7 @@ def test_every_shipped_kernel_compiles_for_sm90a(built_kernels):
         gemms += [f"moe_gemm1_{mode}_{kind}_t{tokens}_3cta" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
         gemms += [f"moe_gemm2_{mode}_t{tokens}_3cta" for mode in ("w4a16", "w4a4_pt", "w4a8")]
-    gemms.append("moe_gemm2_w4a16_t16_persistent")  # launcher.PERSISTENT_GEMM2
+    gemms.append("moe_gemm2_w4a16_t16_persistent")  # launcher.PERSISTENT
     for suffix in ("_t32_wgmma", "_t32_wgmma_n256", "_t64_wgmma", "_t64_wgmma_n256", "_t128_wgmma", "_t256_wgmma",
                    "_t128_wgmma_n256", "_t144_wgmma"):
         gemms += [f"moe_gemm1_{mode}_{kind}{suffix}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")

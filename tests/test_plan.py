@@ -286,6 +286,26 @@ def test_padded_wgmma_tile_launches_its_kernels_and_256_weight_rows_only_on_gemm
             fake_forward(monkeypatch, "w4a16", True, tile=tile, k_splits=refused)
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
+@pytest.mark.parametrize("split1", launcher.K_SPLITS)
+def test_persistent_gemm2_launches_its_own_object_beside_any_gemm1_split(monkeypatch, mode, split1):
+    """GEMM2's launcher.PERSISTENT runs the 16-token persistent object (w4a4's GEMM2 is w4a16's), passed K split 1
+    (it launches no clusters); GEMM1 keeps its split."""
+    P = launcher.PERSISTENT
+    _, calls, _, _ = fake_forward(monkeypatch, mode, True, tile=16, k_splits=(split1, P))
+    gemms = [c for c in calls if c[0].startswith("moe_gemm")]
+    assert [c[0] for c in gemms] == [f"moe_gemm1_{mode}_swiglu_t16", "moe_gemm2_w4a16_t16_persistent"]
+    assert [c[2][-1] for c in gemms] == [split1, 1]
+
+
+@pytest.mark.parametrize("tile,k_splits", [(8, (1, launcher.PERSISTENT)), (32, (1, launcher.PERSISTENT)),
+                                           (16, (launcher.PERSISTENT, 1)),
+                                           (16, (launcher.PERSISTENT, launcher.PERSISTENT))])
+def test_persistent_is_refused_off_the_16_token_tile_and_on_gemm1(monkeypatch, tile, k_splits):
+    with pytest.raises(ValueError, match="PERSISTENT runs GEMM2 on 16-token"):
+        fake_forward(monkeypatch, "w4a16", True, tile=tile, k_splits=k_splits)
+
+
 @pytest.mark.parametrize("tile", [8, 16])
 def test_wgmma_wide_is_refused_on_streaming_only_tiles(monkeypatch, tile):
     with pytest.raises(ValueError, match="WGMMA_WIDE runs on"):

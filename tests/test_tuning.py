@@ -233,6 +233,23 @@ def test_three_cta_form_is_offered_on_8_and_32_token_tiles_and_taken_where_ctas_
     assert launcher.default_tactic(64, 2, 8, 8, 28672, 4096, tiles, 132, True, three_ctas=True) == (32, C, 1)
 
 
+def test_persistent_gemm2_is_offered_on_16_token_tiles_to_the_tuner_only():
+    """launcher.PERSISTENT (GEMM2's persistent 16-token form) is a candidate beside each GEMM1 K split where the
+    object is linked and the 16-token tile is; the heuristic never takes it (it won and lost by shape)."""
+    from moe_ext import launcher
+    from moe_ext.backends import HOPPER
+
+    P = launcher.PERSISTENT
+    assert launcher.gemm2_kernel("w4a4", 16, P) == "moe_gemm2_w4a16_t16_persistent"
+    tiles = launcher.TOKEN_TILES
+    added = set(launcher.tactics(tiles, wgmma=True, persistent=True)) - set(launcher.tactics(tiles, wgmma=True))
+    assert added == {(16, s, P) for s in launcher.K_SPLITS}
+    assert not set(launcher.tactics((8, 32), persistent=True)) - set(launcher.tactics((8, 32)))
+    problem = build_problem(**make_case("w4a16", num_tokens=256, top_k=8, num_experts=64, hidden=1024,
+                                        inter=512).kwargs(use_fused_finalize=True))
+    assert "persistent" in HOPPER._forms(problem) and "persistent" not in HOPPER._default_forms(problem)
+
+
 def test_wide_weight_kernels_are_named_and_offered_only_where_rows_allow(monkeypatch):
     """WGMMA_WIDE selects the `_wgmma_n256` kernels (w4a4's GEMM2 is w4a16's, as for WGMMA), and a GEMM whose
     weight rows are not a multiple of 256 (gpt-oss: 2 x 2880 W1 rows) never takes it."""

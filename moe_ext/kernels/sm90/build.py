@@ -53,7 +53,7 @@ def specialisations():
         specs += [(f"moe_gemm2_{mode}_t{tokens}_3cta", functools.partial(gemm2.compile_gemm2, mode, tokens,
                                                                          three_ctas=True))
                   for mode in gemm2.MODES]
-    # The persistent form of the 16-token streaming GEMM2 (persistent.py), an A/B variant: launcher.PERSISTENT_GEMM2.
+    # The persistent form of the 16-token streaming GEMM2 (persistent.py), GEMM2's tactic launcher.PERSISTENT.
     specs.append(("moe_gemm2_w4a16_t16_persistent",
                   functools.partial(gemm2.compile_gemm2, "w4a16", 16, persistent=True)))
     # The warp-specialised wgmma GEMMs for large T (32- to 256-token routing tiles, 128- and 256-row weight tiles,
