@@ -389,7 +389,8 @@ def wide_weights(mode: str, kind: str, n1: int, hidden: int) -> tuple[bool, bool
 
 def kernel_forms(mode: str, kind: str, n1: int, hidden: int) -> dict:
     """What the linked kernels of this kernel mode and activation offer GEMMs of n1 (GEMM1) and hidden (GEMM2)
-    weight rows a launch: the keyword arguments of tactics() and default_tactic() beyond the tiles."""
+    weight rows a launch: the keyword arguments of tactics() beyond the tiles, and of default_tactic() but
+    `persistent` (a form only the tuner takes)."""
     return dict(wgmma=has_wgmma(mode, kind), wide=wide_weights(mode, kind, n1, hidden),
                 three_ctas=has_three_ctas(mode, kind), narrow_wgmma=narrow_wgmma_tiles(mode, kind),
                 persistent=has_kernel(gemm2_kernel(mode, PERSISTENT_TILE, PERSISTENT)))
