@@ -61,6 +61,11 @@ VARIANTS = {
     "three_ctas_chunk1024": {"ctas_per_sm": 3, "stages": 4, "token_elems": 8192, "k_slices": 1},
     "wide_only": {"narrow": False},  # one mainloop width: every tile stages and multiplies all its tokens
 }
+# Named GEMM1-only configurations (GEMM2 keeps its default): the ring_tokens mainloop reads the routed rows of x as
+# stream.token_slabs, which the harness prepares for each routing (so its outputs must equal the default's bitwise).
+GEMM1_VARIANTS = {
+    "ring_tokens_gemm1": {"ring_tokens": True},
+}
 
 
 # Probes: leave-one-out versions of the mainloop (their outputs are wrong by design; they bound where time goes).
@@ -191,12 +196,12 @@ def make_layer(name: str, tokens: int, tile: int, rotations: int, seed: int, spl
                  tuple(min(4, max(1, s) * split_factor) for s in tactic[1:]))
 
 
-def run_gemm1(fn, layer: Layer, i: int, dummies: dict, pdl: bool = False):
+def run_gemm1(fn, layer: Layer, i: int, dummies: dict, pdl: bool = False, x: torch.Tensor | None = None):
     from moe_ext import launcher
     from moe_ext.activation import Activation
 
     r = layer.routings[i]
-    fn(layer.x.reshape(-1), dummies["f32"], flat(layer.w1), layer.w1_sf, layer.alpha,
+    fn((layer.x if x is None else x).reshape(-1), dummies["f32"], flat(layer.w1), layer.w1_sf, layer.alpha,
        r.permuted_to_expanded, r.tile_to_expert, r.tile_to_mn_limit, r.num_live_tiles, layer.inters[i],
        dummies["f32"], layer.hidden, 2 * layer.inter, layer.inter, 0, layer.top_k,
        *launcher.activation_params(Activation("swiglu")), layer.splits[0], pdl)
@@ -244,7 +249,8 @@ def time_graph(launches, iters: int) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {list(VARIANTS) + list(PROBES)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"of {list(VARIANTS) + list(GEMM1_VARIANTS) + list(PROBES)}")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {list(SHAPES)}")
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--tile", type=int, default=8, help="routing tile (tokens per CTA) of the kernels timed")
@@ -281,6 +287,7 @@ def main():
         patches = PROBES.get(variant, {})
         over = VARIANTS.get(variant, {})
         cfg = tuple(dataclasses.replace(streaming.config_for(tile, gemm), **over) for gemm in (1, 2))
+        cfg = (dataclasses.replace(cfg[0], **GEMM1_VARIANTS.get(variant, {})), cfg[1])
         start = time.perf_counter()
         owners = {name: (ptx if name.startswith("ptx.") else streaming) for name in patches}
         saved = {name: getattr(owners[name], name.split(".")[-1]) for name in patches}
@@ -297,10 +304,15 @@ def main():
                 setattr(owners[name], name.split(".")[-1], fn)
         log(f"{variant}: compiled in {time.perf_counter() - start:.1f} s ({cfg})")
         for layer in layers:
+            xs = [None] * len(layer.routings)
+            if cfg[0].ring_tokens:
+                xs = [streaming.token_slabs(layer.x, r.permuted_to_expanded.cpu(), r.tile_to_mn_limit.cpu(),
+                                            int(r.num_live_tiles), tile, layer.top_k).view(torch.bfloat16)
+                      for r in layer.routings]
             for t in layer.inters + layer.slots:
                 t.fill_(float("nan"))
             for i in range(len(layer.routings)):
-                run_gemm1(g1, layer, i, dummies)
+                run_gemm1(g1, layer, i, dummies, x=xs[i])
                 run_gemm2(g2, layer, i, dummies)
             torch.cuda.synchronize()
             outputs = [t.clone() for t in layer.inters + layer.slots]
@@ -313,7 +325,8 @@ def main():
                             for a, b in zip(outputs, reference[key]))
             rel_l2 = max(relative_l2(a, b) for a, b in zip(outputs, reference[key]))
             n = len(layer.routings)
-            us1 = time_graph(lambda: [run_gemm1(g1, layer, i, dummies, args.pdl) for i in range(n)], args.iters) / n
+            us1 = time_graph(lambda: [run_gemm1(g1, layer, i, dummies, args.pdl, xs[i]) for i in range(n)],
+                             args.iters) / n
             us2 = time_graph(lambda: [run_gemm2(g2, layer, i, dummies, args.pdl) for i in range(n)], args.iters) / n
             rec = dict(variant=variant, shape=layer.name, T=args.tokens, experts_hit=args.experts_hit, tile=tile,
                        splits=layer.splits, pdl=args.pdl,

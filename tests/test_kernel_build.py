@@ -253,6 +253,52 @@ def test_token_k_order_puts_each_token_where_its_decoded_weight_pair_sits():
             assert [stage_position(16 * q + 8 * p + j + 4) for q in range(4)] == [s + 1 for s in starts]
 
 
+def test_token_slabs_hold_each_routed_row_where_the_staging_would_store_it():
+    """stream.token_slabs (the ring_tokens GEMM1's tokens): routing tile m's step s is `tile` rows of RING_PITCH
+    bytes at (m * steps + s) * tile * RING_PITCH; value k of the step of routed row r (token = permuted_to_expanded /
+    top_k) sits in 16-byte chunk chunk_position(k // 8) at pair slot 2 (k % 4) + (k % 8) // 4, times 2^63, where
+    the token tile's staging stores it; rows past a tile's limit and the pitch padding stay zero."""
+    import torch
+
+    from moe_ext.kernels.sm90 import stream
+    from moe_ext.routing import compute_routing
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, hidden, experts, top_k, tile = 5, 256, 8, 2, 16
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    r = compute_routing(torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices.int(), experts, 0, tile)
+    slabs = stream.token_slabs(x, r.permuted_to_expanded, r.tile_to_mn_limit, int(r.num_live_tiles), tile, top_k)
+    steps = hidden // 128
+    assert slabs.numel() == stream.slab_bytes(r.permuted_to_expanded.numel(), hidden)
+    slabs = slabs.view(torch.bfloat16).view(-1, steps, tile, stream.RING_PITCH // 2).float()
+    expected = torch.zeros_like(slabs)
+    for p in range(r.permuted_to_expanded.numel()):
+        m, row = divmod(p, tile)
+        if m >= int(r.num_live_tiles) or p >= int(r.tile_to_mn_limit[m]):
+            continue
+        token = int(r.permuted_to_expanded[p]) // top_k
+        for k in range(hidden):
+            s, c, v = k // 128, (k % 128) // 8, k % 8
+            expected[m, s, row, 8 * stream.chunk_position(c) + 2 * (v % 4) + v // 4] = float(x[token, k]) * 2.0 ** 63
+    assert torch.equal(slabs, expected)
+
+
+@pytest.mark.parametrize("tokens", [8, 16, 32])
+def test_ring_token_gemm1_fits_its_ctas_per_sm_and_compiles(tokens):
+    """The ring_tokens GEMM1 (a benchmarks/stream_variants.py variant: a token slab a stage instead of the staged
+    K-chunks) holds a step's token rows a slot instead of the token tile: it fits the CTAs an SM its configuration
+    asks for, in less shared memory, and compiles for sm_90a."""
+    import dataclasses
+
+    from moe_ext.kernels.sm90 import gemm1, stream
+
+    base = stream.config_for(tokens, 1)
+    cfg = dataclasses.replace(base, ring_tokens=True)
+    assert stream.shared_bytes(tokens, cfg) < stream.shared_bytes(tokens, base)
+    assert cfg.ctas_per_sm * (stream.shared_bytes(tokens, cfg) + 1024) <= 232448
+    assert gemm1.compile_launch(gemm1.make_kernel("w4a16", "swiglu", tokens, cfg), "--gpu-arch sm_90a") is not None
+
+
 @pytest.mark.parametrize("sf_block", [16, 32])
 @pytest.mark.parametrize("tile", [128, 256])
 def test_wgmma_configs_fit_the_register_file_and_shared_memory(tile, sf_block):

@@ -76,6 +76,10 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
                      p1: Float32, p2: Float32, p3: Float32, k_split: Int32):
         tid, _, _ = cute.arch.thread_idx()
         tile, n_tile, rank = cute.arch.block_idx()  # rank: this CTA's K range inside its cluster
+        if cutlass.const_expr(cfg.ring_tokens):
+            # A tile's weight tiles run next to each other, so its token slabs (x copied once a routed row: 8x x's
+            # bytes at top_k 8) are read while they are still in L2.
+            n_tile, tile, rank = cute.arch.block_idx()
         cute.arch.griddepcontrol_wait()
         if tile < num_live_tiles[0]:
             expert = tile_to_expert[tile]
@@ -84,12 +88,17 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
             sm = streaming.allocate(tokens, cfg)
             by_top_k = ptx.division_magic(top_k)  # the staging divides once per row and K-chunk
 
-            def load_group(r, kk, k_end):
+            def gather(r, kk, k_end):
                 """8 values of token row r at K = kk, gathered through the permutation and decoded."""
                 valid = (row0 + r < limit) & (kk < k_end)
                 token = ptx.divide_by_magic(permuted_to_expanded[cute.math.min(row0 + r, limit - 1)], by_top_k)
                 kk = cute.math.min(kk, hidden - 8)
                 return streaming.token_group(x_bf16, Int64(token) * Int64(hidden) + Int64(kk)), valid
+
+            load_group = gather
+            if cutlass.const_expr(cfg.ring_tokens):  # x_bf16 holds the routed rows' token slabs
+                slab = Int64(tile) * Int64(hidden // cfg.k_step) * Int64(tokens * streaming.RING_PITCH)
+                load_group = streaming.TokenSlabs(x_bf16.iterator.toint() + slab, limit - row0)
 
             streaming.accumulate(sm, tid, w1_sf, w1_map, expert, n_tile * cfg.rows, n1, hidden, rank,
                                  k_split, limit - row0, tokens, cfg, b_block, load_group)
@@ -117,10 +126,13 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
                hidden: Int32, n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32, p1: Float32,
                p2: Float32, p3: Float32, k_split: Int32, pdl: cutlass.Boolean, stream: cuda.CUstream):
         w1_map = streaming.weight_map(w1, cute.size(w1_alpha), n1, hidden, cfg)
+        grid = (cute.size(tile_to_expert), n1 // cfg.rows, k_split)
+        if cutlass.const_expr(cfg.ring_tokens):
+            grid = (n1 // cfg.rows, cute.size(tile_to_expert), k_split)
         gemm1_kernel(x_bf16, per_token_scale, w1_sf, w1_map, w1_alpha,
                      permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out_bf16,
                      fc2_input_scale, hidden, n1, inter, col_offset, top_k, p0, p1, p2, p3, k_split).launch(
-            grid=(cute.size(tile_to_expert), n1 // cfg.rows, k_split), block=(cfg.threads, 1, 1),
+            grid=grid, block=(cfg.threads, 1, 1),
             cluster=(1, 1, k_split), stream=stream, use_pdl=pdl, min_blocks_per_mp=cfg.ctas_per_sm,
             preferred_smem_carveout=100)
 

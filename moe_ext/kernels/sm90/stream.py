@@ -71,6 +71,12 @@ class StreamConfig:
     # `live` tokens (mainloop_widths): a CTA runs the narrowest that holds its live rows, so experts with few rows
     # pay for fewer padding columns.
     narrow: bool = True
+    # Token slabs in the ring: each stage also carries its step's 256 bytes of every live token row, one bulk copy
+    # a stage from a TokenSlabs matrix (the tile's rows already in the tile's order and scale, a step's rows
+    # contiguous), so no K-chunk is staged by the threads. The staging stalled the warps on global loads at every
+    # chunk: leave-one-out 6-16% of GEMM1 at T=256 on 16-token tiles; a copy a row (16-32 a stage) lost that
+    # again (session 49).
+    ring_tokens: bool = False
 
     @property
     def rows(self) -> int:
@@ -126,8 +132,9 @@ def shared_pieces(tokens: int, c: StreamConfig) -> tuple[int, int, int, int, int
     """Bytes of what allocate() takes: the weight ring (a 128-row x 64-byte slot per K slice and stage), its
     scale slots (1 KB each), the scale table, the token tile (which the fp32 accumulator tile reuses after the
     mainloop) and the ring's barriers (a full and an empty mbarrier per stage)."""
-    tile = max(tokens * row_pitch(tokens, c), tokens * (c.rows + 4) * 4)
     slots = c.stages * c.k_slices
+    staged = slots * tokens * RING_PITCH if c.ring_tokens else tokens * row_pitch(tokens, c)
+    tile = max(staged, tokens * (c.rows + 4) * 4)
     return slots * c.rows * 64, slots * 1024, 256 * 4, tile, c.stages * 16
 
 
@@ -175,7 +182,12 @@ def k_chunk(tokens: int, c: StreamConfig) -> int:
 
 def row_pitch(tokens: int, c: StreamConfig) -> int:
     """Bytes between token rows of the shared tile: one 16-byte chunk of padding staggers the banks."""
+    if c.ring_tokens:
+        return RING_PITCH
     return (k_chunk(tokens, c) + 8) * 2
+
+
+RING_PITCH = 272  # bytes between token rows of a ring slot (ring_tokens): a step's 256 and a staggering 16
 
 
 class Smem(NamedTuple):
@@ -188,6 +200,7 @@ class Smem(NamedTuple):
     out: cute.Tensor  # fp32 [tokens, rows] accumulator tile, over the token tile (used after the mainloop)
     full: cute.Pointer  # one mbarrier per stage, complete when the stage's bytes have landed
     empty: cute.Pointer  # one mbarrier per stage, complete when every warp is done reading it
+    token_slot: int  # ring_tokens: bytes of a slot's token rows (slot s at sm.tokens + s * token_slot); else 0
 
 
 def allocate(tokens: int, c: StreamConfig) -> Smem:
@@ -199,7 +212,8 @@ def allocate(tokens: int, c: StreamConfig) -> Smem:
                            cute.make_layout((tokens, c.rows), stride=(c.rows + 4, 1)))
     full = cute.recast_ptr(bars.iterator, dtype=Int64)
     return Smem(c.threads, row_pitch(tokens, c), ring_w.iterator.toint(), ring_s.iterator.toint(),
-                lut.iterator.toint(), tile.iterator.toint(), out, full, full + c.stages)
+                lut.iterator.toint(), tile.iterator.toint(), out, full, full + c.stages,
+                tokens * RING_PITCH if c.ring_tokens else 0)
 
 
 def fill_scale_lut(sm: Smem, tid, block: int) -> None:
@@ -359,10 +373,15 @@ def weight_map(w: cute.Tensor, experts, rows_per_expert, k_extent, c: StreamConf
                                              l2_promotion=TensorMapL2Promotion.l2_128b)
 
 
+def chunk_position(chunk):
+    """Where 8-value chunk `chunk` of a token row sits in the tile (and in a token_slabs matrix): bit 1 flips with
+    bit 3, so the four threads of a quad (32 K apart) hit different banks."""
+    return chunk ^ (((chunk >> 3) & 1) << 1)
+
+
 def tile_address(sm: Smem, row, chunk) -> Int32:
-    """Shared address of 8-value chunk `chunk` of token row `row`; bit 1 of the chunk flips with bit 3 so the four
-    threads of a quad (32 K apart) hit different banks."""
-    return sm.tokens + row * sm.pitch + (chunk ^ (((chunk >> 3) & 1) << 1)) * 16
+    """Shared address of 8-value chunk `chunk` of token row `row`."""
+    return sm.tokens + row * sm.pitch + chunk_position(chunk) * 16
 
 
 def permute_bf16x8(u: list) -> list:
@@ -457,6 +476,40 @@ class TokensReady(NamedTuple):
     args: tuple
     when: object  # a run-time Boolean
     stages: int
+
+
+class TokenSlabs(NamedTuple):
+    """The load_group of a ring_tokens mainloop: `tile_base` is the global byte address of this routing tile's slab
+    of step 0 in a token_slabs matrix, `rows` how many of its rows are live (run time); each stage is one bulk copy
+    of a step's live rows."""
+
+    tile_base: object
+    rows: object
+
+
+def slab_bytes(rows: int, k: int) -> int:
+    """Bytes of a token_slabs matrix of `rows` permuted rows (whole routing tiles) and K = k."""
+    return rows * (k // StreamConfig.k_step) * RING_PITCH
+
+
+def token_slabs(x_bf16, permuted_to_expanded, tile_to_mn_limit, num_live_tiles: int, tile: int, top_k: int):
+    """The TokenSlabs matrix of the routed rows of a [T, K] bf16 torch tensor (torch; the kernels' is
+    kernels/sm90/token_slabs.py): routing tile m's step s is `tile` rows of RING_PITCH bytes at byte
+    (m * steps + s) * tile * RING_PITCH, row r of it the step's 128 values of token permuted_to_expanded[m * tile +
+    r] // top_k as the staging stores them (chunk_position's 16-byte chunks, each (x0 x4)(x1 x5)(x2 x6)(x3 x7)) times
+    2^63; padding rows and bytes are zero. Returned as bytes."""
+    import torch
+
+    t, k = x_bf16.shape
+    steps, rows = k // StreamConfig.k_step, permuted_to_expanded.numel()
+    position = torch.tensor([chunk_position(c) for c in range(16)], device=x_bf16.device)
+    tiled = (x_bf16.reshape(t, steps, 16, 2, 4).transpose(-1, -2)[:, :, position].reshape(t, steps, 128).float()
+             * TWO_P63).to(torch.bfloat16)
+    out = torch.zeros(rows // tile, tile, steps, RING_PITCH // 2, dtype=torch.bfloat16, device=x_bf16.device)
+    p = torch.arange(num_live_tiles * tile, device=x_bf16.device)
+    live = p[p < tile_to_mn_limit.to(p.device)[p // tile]]
+    out.view(-1, steps, RING_PITCH // 2)[live, :, :128] = tiled[permuted_to_expanded.to(p.device)[live].long() // top_k]
+    return out.transpose(1, 2).contiguous().reshape(-1).view(torch.uint8)
 
 
 class FirstCopies(NamedTuple):
@@ -622,6 +675,8 @@ class TmaSource(NamedTuple):
     expert: Int32
     first_row: Int32
     scales: Int64
+    token_slab: Int64 = None  # ring_tokens: the routing tile's slab of step 0 (TokenSlabs.tile_base)
+    token_rows: Int32 = None  # ring_tokens: the live rows a stage copies (at most the mainloop's width)
 
 
 @cute.jit
@@ -629,19 +684,25 @@ def issue_tma_stage(sm: Smem, lane, src: TmaSource, first, stage, steps, block: 
                     c: cutlass.Constexpr):
     """One warp starts the copies of stage `stage` (steps [stage * k_slices, ...) of the run starting at step
     `first`, as many as the run still has) into slot stage % stages: lane 0 announces their bytes on the slot's
-    full barrier and copies the scale tiles and the weight boxes."""
+    full barrier and copies the scale tiles, the weight boxes and, with ring_tokens, the step's token slab."""
     slot = stage % c.stages
     bar = sm.full + slot
     n = cute.math.min(c.k_slices, steps - stage * c.k_slices)
     step = first + stage * c.k_slices
     if lane == 0:
-        cute.arch.mbarrier_arrive_and_expect_tx(bar, n * (c.rows * 64 + sf_step_bytes(block)))
+        token_bytes = 0
+        if cutlass.const_expr(c.ring_tokens):
+            token_bytes = src.token_rows * RING_PITCH
+        cute.arch.mbarrier_arrive_and_expect_tx(bar, n * (c.rows * 64 + sf_step_bytes(block)) + token_bytes)
         ptx.cp_async_bulk(sm.scales + slot * (c.k_slices * 1024), src.scales + Int64(step) * sf_step_bytes(block),
                           n * sf_step_bytes(block), bar.toint())
         for u in cutlass.range_constexpr(c.k_slices):
             if u < n:
                 ptx.tma_load_3d(sm.weights + (slot * c.k_slices + u) * (c.rows * 64), src.w_map,
                                 (step + u) * 64, src.first_row, src.expert, bar.toint())
+        if cutlass.const_expr(c.ring_tokens):
+            ptx.cp_async_bulk(sm.tokens + slot * sm.token_slot, src.token_slab + Int64(step) * sm.token_slot,
+                              token_bytes, bar.toint())
 
 
 def address_of(t) -> Int64:
@@ -673,21 +734,26 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
             cute.arch.mbarrier_init(sm.empty + s, cfg.warps * cfg.k_slices)
         cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
-    copies = FirstCopies(sm, tid, src, first, steps, num_stages, block, cfg, trace)
-    if cutlass.const_expr(ready is not None):
-        copies = copies._replace(skip=copies_before_wait(copies, ready))
-    if cutlass.const_expr(isinstance(load_group, LoadsFirst)):
-        # The first group of stages, then the rest once the tokens are stored: the whole grid's first groups go
-        # ahead of its later stages in the memory queues, so they land sooner.
-        held_back = cfg.stages_per_wait if cfg.stages_per_wait > 1 else cfg.stages
-        stage_first_chunk(copies, k_end, tokens, load_group.load, live, held_back)
-    elif cutlass.const_expr(isinstance(load_group, TokenLoads)):
-        if load_group.unrolled_when:
-            stage_first_chunk(copies, k_end, tokens, load_group.unrolled, live, cfg.stages)
+    if cutlass.const_expr(cfg.ring_tokens):
+        assert isinstance(load_group, TokenSlabs) and cfg.k_slices == 1 and trace is None and ready is None
+        src = src._replace(token_slab=load_group.tile_base, token_rows=cute.math.min(load_group.rows, live))
+        issue_first_copies(sm, tid, src, first, steps, num_stages, block, cfg)
+    else:
+        copies = FirstCopies(sm, tid, src, first, steps, num_stages, block, cfg, trace)
+        if cutlass.const_expr(ready is not None):
+            copies = copies._replace(skip=copies_before_wait(copies, ready))
+        if cutlass.const_expr(isinstance(load_group, LoadsFirst)):
+            # The first group of stages, then the rest once the tokens are stored: the whole grid's first groups go
+            # ahead of its later stages in the memory queues, so they land sooner.
+            held_back = cfg.stages_per_wait if cfg.stages_per_wait > 1 else cfg.stages
+            stage_first_chunk(copies, k_end, tokens, load_group.load, live, held_back)
+        elif cutlass.const_expr(isinstance(load_group, TokenLoads)):
+            if load_group.unrolled_when:
+                stage_first_chunk(copies, k_end, tokens, load_group.unrolled, live, cfg.stages)
+            else:
+                issue_first_copies(*copies)
         else:
             issue_first_copies(*copies)
-    else:
-        issue_first_copies(*copies)
     first_single = 0  # the stages taken one at a time: all of them, or those after the whole groups
     if cutlass.const_expr(cfg.stages_per_wait > 1):
         # Groups of stages_per_wait whole stages: every wait first, then the consumptions with no branch between
@@ -717,8 +783,9 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
             refill_tma_stage(sm, tid, src, first, i - 1, num_stages, steps, block, cfg)
         k_run = i * cfg.k_slices * cfg.k_step
         in_chunk = k_run & (chunk - 1)  # k_run >= 0 and chunk a power of two: one AND, not a signed remainder
-        if restages(k_run, chunk, load_group):
-            stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group, live)
+        if cutlass.const_expr(not cfg.ring_tokens):
+            if restages(k_run, chunk, load_group):
+                stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group, live)
         consume_tma_stage(sm, place, i, in_chunk, part, steps, acc, tokens, block, cfg, live)
         release_tma_stage(sm, tid, i, cfg)
 
@@ -798,8 +865,9 @@ def group_step(sm: Smem, tid, place: StepPlace, src, first, g, first_slot, phase
         for u in cutlass.range_constexpr(per_group):
             refill_tma_stage(sm, tid, src, first, (g - 1) * per_group + u, num_stages, steps, block, cfg)
     k_run = g * per_group * cfg.k_slices * cfg.k_step
-    if restages(k_run, chunk, load_group):
-        stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group, live)
+    if cutlass.const_expr(not cfg.ring_tokens):
+        if restages(k_run, chunk, load_group):
+            stage_tokens(sm, tid, first, k_run, k_end, tokens, cfg, load_group, live)
     if cutlass.const_expr(trace is not None):
         if g == 0:
             trace(tid, 0)
@@ -831,8 +899,10 @@ def consume_tma_stage(sm: Smem, place: StepPlace, stage, chunk_offset, part, ste
     if cutlass.const_expr(wait):
         cute.arch.mbarrier_wait(sm.full + slot, (stage // c.stages) & 1)
     scales = sm.scales + slot * (c.k_slices * 1024) + part * sf_step_bytes(block)
-    step_args = (sm, place, slot * c.k_slices + part, scales, (chunk_offset + part * c.k_step) * 2, acc, tokens, block,
-                 c, live)
+    tile_offset = (chunk_offset + part * c.k_step) * 2
+    if cutlass.const_expr(c.ring_tokens):
+        tile_offset = slot * sm.token_slot
+    step_args = (sm, place, slot * c.k_slices + part, scales, tile_offset, acc, tokens, block, c, live)
     if cutlass.const_expr(check):
         if stage * c.k_slices + part < steps:
             consume_tma_step(*step_args)
