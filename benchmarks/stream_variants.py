@@ -66,6 +66,11 @@ VARIANTS = {
 GEMM1_VARIANTS = {
     "ring_tokens_gemm1": {"ring_tokens": True},
 }
+# ... and GEMM2-only ones: the ring_tokens GEMM2 reads the FC2 input rows as token slabs, which the harness makes
+# from GEMM1's output (a slab's rows are the tile's own rows).
+GEMM2_VARIANTS = {
+    "ring_tokens_gemm2": {"ring_tokens": True},
+}
 
 
 # Probes: leave-one-out versions of the mainloop (their outputs are wrong by design; they bound where time goes).
@@ -207,9 +212,9 @@ def run_gemm1(fn, layer: Layer, i: int, dummies: dict, pdl: bool = False, x: tor
        *launcher.activation_params(Activation("swiglu")), layer.splits[0], pdl)
 
 
-def run_gemm2(fn, layer: Layer, i: int, dummies: dict, pdl: bool = False):
+def run_gemm2(fn, layer: Layer, i: int, dummies: dict, pdl: bool = False, a: torch.Tensor | None = None):
     r = layer.routings[i]
-    fn(layer.inters[i], dummies["f32"], flat(layer.w2), layer.w2_sf, layer.alpha,
+    fn(layer.inters[i] if a is None else a, dummies["f32"], flat(layer.w2), layer.w2_sf, layer.alpha,
        layer.scales, r.permuted_to_expanded, r.tile_to_expert, r.tile_to_mn_limit, r.num_live_tiles,
        layer.slots[i], layer.hidden, layer.inter, layer.hidden, 0, layer.top_k, False, layer.splits[1], pdl)
 
@@ -250,7 +255,7 @@ def time_graph(launches, iters: int) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"of {list(VARIANTS) + list(GEMM1_VARIANTS) + list(PROBES)}")
+                        help=f"of {list(VARIANTS) + list(GEMM1_VARIANTS) + list(GEMM2_VARIANTS) + list(PROBES)}")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {list(SHAPES)}")
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--tile", type=int, default=8, help="routing tile (tokens per CTA) of the kernels timed")
@@ -287,7 +292,8 @@ def main():
         patches = PROBES.get(variant, {})
         over = VARIANTS.get(variant, {})
         cfg = tuple(dataclasses.replace(streaming.config_for(tile, gemm), **over) for gemm in (1, 2))
-        cfg = (dataclasses.replace(cfg[0], **GEMM1_VARIANTS.get(variant, {})), cfg[1])
+        cfg = (dataclasses.replace(cfg[0], **GEMM1_VARIANTS.get(variant, {})),
+               dataclasses.replace(cfg[1], **GEMM2_VARIANTS.get(variant, {})))
         start = time.perf_counter()
         owners = {name: (ptx if name.startswith("ptx.") else streaming) for name in patches}
         saved = {name: getattr(owners[name], name.split(".")[-1]) for name in patches}
@@ -311,9 +317,15 @@ def main():
                       for r in layer.routings]
             for t in layer.inters + layer.slots:
                 t.fill_(float("nan"))
-            for i in range(len(layer.routings)):
+            inputs2 = [None] * len(layer.routings)
+            for i, r in enumerate(layer.routings):
                 run_gemm1(g1, layer, i, dummies, x=xs[i])
-                run_gemm2(g2, layer, i, dummies)
+                if cfg[1].ring_tokens:
+                    rows = torch.arange(r.permuted_to_expanded.numel(), dtype=torch.int32, device="cuda")
+                    inputs2[i] = streaming.token_slabs(layer.inters[i].view(rows.numel(), layer.inter), rows,
+                                                       r.tile_to_mn_limit, int(r.num_live_tiles), tile,
+                                                       1).view(torch.bfloat16)
+                run_gemm2(g2, layer, i, dummies, a=inputs2[i])
             torch.cuda.synchronize()
             outputs = [t.clone() for t in layer.inters + layer.slots]
             key = layer.name
@@ -327,7 +339,8 @@ def main():
             n = len(layer.routings)
             us1 = time_graph(lambda: [run_gemm1(g1, layer, i, dummies, args.pdl, xs[i]) for i in range(n)],
                              args.iters) / n
-            us2 = time_graph(lambda: [run_gemm2(g2, layer, i, dummies, args.pdl) for i in range(n)], args.iters) / n
+            us2 = time_graph(lambda: [run_gemm2(g2, layer, i, dummies, args.pdl, inputs2[i]) for i in range(n)],
+                             args.iters) / n
             rec = dict(variant=variant, shape=layer.name, T=args.tokens, experts_hit=args.experts_hit, tile=tile,
                        splits=layer.splits, pdl=args.pdl,
                        gemm1_us=round(us1, 2), gemm2_us=round(us2, 2), bitwise_equal_to_default=equal,

@@ -283,20 +283,23 @@ def test_token_slabs_hold_each_routed_row_where_the_staging_would_store_it():
     assert torch.equal(slabs, expected)
 
 
-@pytest.mark.parametrize("tokens", [8, 16, 32])
-def test_ring_token_gemm1_fits_its_ctas_per_sm_and_compiles(tokens):
-    """The ring_tokens GEMM1 (a benchmarks/stream_variants.py variant: a token slab a stage instead of the staged
-    K-chunks) holds a step's token rows a slot instead of the token tile: it fits the CTAs an SM its configuration
-    asks for, in less shared memory, and compiles for sm_90a."""
+@pytest.mark.parametrize("gemm,tokens", [(1, 8), (1, 16), (1, 32), (2, 16), (2, 32)])
+def test_ring_token_gemms_fit_their_ctas_per_sm_and_compile(gemm, tokens):
+    """The ring_tokens GEMMs (benchmarks/stream_variants.py variants: a token slab a stage instead of the staged
+    K-chunks) hold a step's token rows a slot instead of the token tile: they fit the CTAs an SM their configuration
+    asks for, in less shared memory, and compile for sm_90a."""
     import dataclasses
 
-    from moe_ext.kernels.sm90 import gemm1, stream
+    from moe_ext.kernels.sm90 import gemm1, gemm2, stream
 
-    base = stream.config_for(tokens, 1)
+    base = stream.config_for(tokens, gemm)
     cfg = dataclasses.replace(base, ring_tokens=True)
     assert stream.shared_bytes(tokens, cfg) < stream.shared_bytes(tokens, base)
     assert cfg.ctas_per_sm * (stream.shared_bytes(tokens, cfg) + 1024) <= 232448
-    assert gemm1.compile_launch(gemm1.make_kernel("w4a16", "swiglu", tokens, cfg), "--gpu-arch sm_90a") is not None
+    if gemm == 1:
+        assert gemm1.compile_launch(gemm1.make_kernel("w4a16", "swiglu", tokens, cfg), "--gpu-arch sm_90a") is not None
+    else:
+        assert gemm2.compile_launch(gemm2.make_kernel("w4a16", tokens, cfg), "--gpu-arch sm_90a") is not None
 
 
 @pytest.mark.parametrize("sf_block", [16, 32])

@@ -102,6 +102,7 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
     b_block = 32 if mode == "w4a8" else 16
     cfg = cfg or streaming.config_for(tokens, 2)
     per_token = mode == "w4a4_pt"
+    assert not (persistent and cfg.ring_tokens), "the persistent mainloop stages its tokens"
 
     @cute.kernel
     def gemm2_kernel(a_bf16: cute.Tensor, row_scale: cute.Tensor,
@@ -112,6 +113,8 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
                      col_offset: Int32, top_k: Int32, fused: cutlass.Boolean, k_split: Int32):
         tid, _, _ = cute.arch.thread_idx()
         tile, n_tile, rank = cute.arch.block_idx()  # rank: this CTA's K range inside its cluster
+        if cutlass.const_expr(cfg.ring_tokens):  # a tile's weight tiles next to each other (as gemm1.py's)
+            n_tile, tile, rank = cute.arch.block_idx()
         cute.arch.griddepcontrol_wait()
         output = Output(out, out_pitch, col_offset, permuted_to_expanded, w2_alpha, token_final_scales, row_scale,
                         top_k, fused)
@@ -136,9 +139,12 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
             limit = tile_to_mn_limit[tile]
             row0 = tile * tokens
             sm = streaming.allocate(tokens, cfg)
+            loads = fc2_input_loads(a_bf16, inter, row0, limit)
+            if cutlass.const_expr(cfg.ring_tokens):  # a_bf16 holds the FC2 input rows' token slabs
+                slab = Int64(tile) * Int64(inter // cfg.k_step) * Int64(tokens * streaming.RING_PITCH)
+                loads = streaming.TokenSlabs(a_bf16.iterator.toint() + slab, limit - row0)
             streaming.accumulate(sm, tid, w2_sf, w2_map, expert, n_tile * cfg.rows, hidden, inter, rank,
-                                 k_split, limit - row0, tokens, cfg, b_block,
-                                 fc2_input_loads(a_bf16, inter, row0, limit))
+                                 k_split, limit - row0, tokens, cfg, b_block, loads)
             store_output(output, sm.out, tid, rank == 0, row0, limit, expert, n_tile, per_token, tokens, cfg)
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -151,6 +157,8 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
                stream: cuda.CUstream):
         w2_map = streaming.weight_map(w2, cute.size(w2_alpha), hidden, inter, cfg)
         grid, cluster = (cute.size(tile_to_expert), hidden // cfg.rows, k_split), (1, 1, k_split)
+        if cutlass.const_expr(cfg.ring_tokens):
+            grid = (hidden // cfg.rows, cute.size(tile_to_expert), k_split)
         if cutlass.const_expr(persistent):
             items = cute.size(tile_to_expert) * (hidden // cfg.rows)
             grid, cluster = (cute.math.min(items, persistent_loop.persistent_ctas(cfg)), 1, 1), (1, 1, 1)
