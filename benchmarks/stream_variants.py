@@ -312,9 +312,8 @@ def main():
         for layer in layers:
             xs = [None] * len(layer.routings)
             if cfg[0].ring_tokens:
-                xs = [streaming.token_slabs(layer.x, r.permuted_to_expanded.cpu(), r.tile_to_mn_limit.cpu(),
-                                            int(r.num_live_tiles), tile, layer.top_k).view(torch.bfloat16)
-                      for r in layer.routings]
+                xs = [streaming.token_slabs(layer.x, r.permuted_to_expanded, r.tile_to_mn_limit, int(r.num_live_tiles),
+                                            tile, layer.top_k).view(torch.bfloat16) for r in layer.routings]
             for t in layer.inters + layer.slots:
                 t.fill_(float("nan"))
             inputs2 = [None] * len(layer.routings)

@@ -75,11 +75,7 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
                      hidden: Int32, n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32,
                      p1: Float32, p2: Float32, p3: Float32, k_split: Int32):
         tid, _, _ = cute.arch.thread_idx()
-        tile, n_tile, rank = cute.arch.block_idx()  # rank: this CTA's K range inside its cluster
-        if cutlass.const_expr(cfg.ring_tokens):
-            # A tile's weight tiles run next to each other, so its token slabs (x copied once a routed row: 8x x's
-            # bytes at top_k 8) are read while they are still in L2.
-            n_tile, tile, rank = cute.arch.block_idx()
+        tile, n_tile, rank = streaming.block_coords(cfg)  # rank: this CTA's K range inside its cluster
         cute.arch.griddepcontrol_wait()
         if tile < num_live_tiles[0]:
             expert = tile_to_expert[tile]
@@ -97,8 +93,7 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
 
             load_group = gather
             if cutlass.const_expr(cfg.ring_tokens):  # x_bf16 holds the routed rows' token slabs
-                slab = Int64(tile) * Int64(hidden // cfg.k_step) * Int64(tokens * streaming.RING_PITCH)
-                load_group = streaming.TokenSlabs(x_bf16.iterator.toint() + slab, limit - row0)
+                load_group = streaming.tile_slabs(x_bf16, tile, hidden, limit - row0, tokens)
 
             streaming.accumulate(sm, tid, w1_sf, w1_map, expert, n_tile * cfg.rows, n1, hidden, rank,
                                  k_split, limit - row0, tokens, cfg, b_block, load_group)
@@ -126,15 +121,12 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
                hidden: Int32, n1: Int32, inter: Int32, col_offset: Int32, top_k: Int32, p0: Float32, p1: Float32,
                p2: Float32, p3: Float32, k_split: Int32, pdl: cutlass.Boolean, stream: cuda.CUstream):
         w1_map = streaming.weight_map(w1, cute.size(w1_alpha), n1, hidden, cfg)
-        grid = (cute.size(tile_to_expert), n1 // cfg.rows, k_split)
-        if cutlass.const_expr(cfg.ring_tokens):
-            grid = (n1 // cfg.rows, cute.size(tile_to_expert), k_split)
         gemm1_kernel(x_bf16, per_token_scale, w1_sf, w1_map, w1_alpha,
                      permuted_to_expanded, tile_to_expert, tile_to_mn_limit, num_live_tiles, out_bf16,
                      fc2_input_scale, hidden, n1, inter, col_offset, top_k, p0, p1, p2, p3, k_split).launch(
-            grid=grid, block=(cfg.threads, 1, 1),
-            cluster=(1, 1, k_split), stream=stream, use_pdl=pdl, min_blocks_per_mp=cfg.ctas_per_sm,
-            preferred_smem_carveout=100)
+            grid=streaming.launch_grid(cute.size(tile_to_expert), n1 // cfg.rows, k_split, cfg),
+            block=(cfg.threads, 1, 1), cluster=(1, 1, k_split), stream=stream, use_pdl=pdl,
+            min_blocks_per_mp=cfg.ctas_per_sm, preferred_smem_carveout=100)
 
     return launch
 

@@ -112,9 +112,7 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
                      num_live_tiles: cute.Tensor, out: cute.Tensor, hidden: Int32, inter: Int32, out_pitch: Int32,
                      col_offset: Int32, top_k: Int32, fused: cutlass.Boolean, k_split: Int32):
         tid, _, _ = cute.arch.thread_idx()
-        tile, n_tile, rank = cute.arch.block_idx()  # rank: this CTA's K range inside its cluster
-        if cutlass.const_expr(cfg.ring_tokens):  # a tile's weight tiles next to each other (as gemm1.py's)
-            n_tile, tile, rank = cute.arch.block_idx()
+        tile, n_tile, rank = streaming.block_coords(cfg)  # rank: this CTA's K range inside its cluster
         cute.arch.griddepcontrol_wait()
         output = Output(out, out_pitch, col_offset, permuted_to_expanded, w2_alpha, token_final_scales, row_scale,
                         top_k, fused)
@@ -141,8 +139,7 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
             sm = streaming.allocate(tokens, cfg)
             loads = fc2_input_loads(a_bf16, inter, row0, limit)
             if cutlass.const_expr(cfg.ring_tokens):  # a_bf16 holds the FC2 input rows' token slabs
-                slab = Int64(tile) * Int64(inter // cfg.k_step) * Int64(tokens * streaming.RING_PITCH)
-                loads = streaming.TokenSlabs(a_bf16.iterator.toint() + slab, limit - row0)
+                loads = streaming.tile_slabs(a_bf16, tile, inter, limit - row0, tokens)
             streaming.accumulate(sm, tid, w2_sf, w2_map, expert, n_tile * cfg.rows, hidden, inter, rank,
                                  k_split, limit - row0, tokens, cfg, b_block, loads)
             store_output(output, sm.out, tid, rank == 0, row0, limit, expert, n_tile, per_token, tokens, cfg)
@@ -156,9 +153,8 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
                col_offset: Int32, top_k: Int32, fused: cutlass.Boolean, k_split: Int32, pdl: cutlass.Boolean,
                stream: cuda.CUstream):
         w2_map = streaming.weight_map(w2, cute.size(w2_alpha), hidden, inter, cfg)
-        grid, cluster = (cute.size(tile_to_expert), hidden // cfg.rows, k_split), (1, 1, k_split)
-        if cutlass.const_expr(cfg.ring_tokens):
-            grid = (hidden // cfg.rows, cute.size(tile_to_expert), k_split)
+        grid = streaming.launch_grid(cute.size(tile_to_expert), hidden // cfg.rows, k_split, cfg)
+        cluster = (1, 1, k_split)
         if cutlass.const_expr(persistent):
             items = cute.size(tile_to_expert) * (hidden // cfg.rows)
             grid, cluster = (cute.math.min(items, persistent_loop.persistent_ctas(cfg)), 1, 1), (1, 1, 1)

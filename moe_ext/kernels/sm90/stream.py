@@ -487,14 +487,34 @@ class TokenSlabs(NamedTuple):
     rows: object
 
 
+def tile_slabs(matrix: cute.Tensor, tile, k_extent, live_rows, tokens: int) -> TokenSlabs:
+    """The TokenSlabs of routing tile `tile` in `matrix` (a token_slabs matrix of K = k_extent, tiles of `tokens`
+    rows), `live_rows` of them live."""
+    slab = Int64(tile) * Int64(k_extent // StreamConfig.k_step) * Int64(tokens * RING_PITCH)
+    return TokenSlabs(matrix.iterator.toint() + slab, live_rows)
+
+
+def launch_grid(tiles, n_tiles, k_split, c: StreamConfig) -> tuple:
+    """A streaming GEMM's grid over (routing tile, weight tile, K range). A ring_tokens GEMM runs a routing tile's
+    weight tiles next to each other (weight tile fastest), so its token slabs (x copied once a routed row: 8x x's
+    bytes at top_k 8) are read while they are still in L2; block_coords reads the CTA's place back."""
+    return (n_tiles, tiles, k_split) if c.ring_tokens else (tiles, n_tiles, k_split)
+
+
+def block_coords(c: StreamConfig) -> tuple:
+    """(routing tile, weight tile, K range inside the cluster) of this CTA in a launch_grid grid."""
+    x, y, rank = cute.arch.block_idx()
+    return (y, x, rank) if c.ring_tokens else (x, y, rank)
+
+
 def slab_bytes(rows: int, k: int) -> int:
     """Bytes of a token_slabs matrix of `rows` permuted rows (whole routing tiles) and K = k."""
     return rows * (k // StreamConfig.k_step) * RING_PITCH
 
 
 def token_slabs(x_bf16, permuted_to_expanded, tile_to_mn_limit, num_live_tiles: int, tile: int, top_k: int):
-    """The TokenSlabs matrix of the routed rows of a [T, K] bf16 torch tensor (torch; the kernels' is
-    kernels/sm90/token_slabs.py): routing tile m's step s is `tile` rows of RING_PITCH bytes at byte
+    """The TokenSlabs matrix of the routed rows of a [T, K] bf16 torch tensor (torch; benchmarks/stream_variants.py
+    makes the ring_tokens GEMMs' inputs with it): routing tile m's step s is `tile` rows of RING_PITCH bytes at byte
     (m * steps + s) * tile * RING_PITCH, row r of it the step's 128 values of token permuted_to_expanded[m * tile +
     r] // top_k as the staging stores them (chunk_position's 16-byte chunks, each (x0 x4)(x1 x5)(x2 x6)(x3 x7)) times
     2^63; padding rows and bytes are zero. Returned as bytes."""
