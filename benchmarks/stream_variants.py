@@ -62,12 +62,13 @@ VARIANTS = {
     "wide_only": {"narrow": False},  # one mainloop width: every tile stages and multiplies all its tokens
 }
 # Named GEMM1-only configurations (GEMM2 keeps its default): the ring_tokens mainloop reads the routed rows of x as
-# stream.token_slabs, which the harness prepares for each routing (so its outputs must equal the default's bitwise).
+# token slabs (moe_ext/slabs.py), which the harness prepares for each routing (its outputs must equal the default's
+# bitwise).
 GEMM1_VARIANTS = {
     "ring_tokens_gemm1": {"ring_tokens": True},
 }
-# ... and GEMM2-only ones: the ring_tokens GEMM2 reads the FC2 input rows as token slabs, which the harness makes
-# from GEMM1's output (a slab's rows are the tile's own rows).
+# ... and GEMM2-only ones: the ring_tokens GEMM2 reads the FC2 input rows as token slabs (moe_ext/slabs.py), which
+# the harness makes from GEMM1's output (a slab's rows are the tile's own rows).
 GEMM2_VARIANTS = {
     "ring_tokens_gemm2": {"ring_tokens": True},
 }
@@ -277,6 +278,7 @@ def main():
 
     from moe_ext.kernels.sm90 import ptx
     from moe_ext.kernels.sm90 import stream as streaming
+    from moe_ext.slabs import token_slabs
 
     tile = args.tile
     dummies = {"f32": torch.zeros(4, dtype=torch.float32, device="cuda")}
@@ -312,8 +314,8 @@ def main():
         for layer in layers:
             xs = [None] * len(layer.routings)
             if cfg[0].ring_tokens:
-                xs = [streaming.token_slabs(layer.x, r.permuted_to_expanded, r.tile_to_mn_limit, int(r.num_live_tiles),
-                                            tile, layer.top_k).view(torch.bfloat16) for r in layer.routings]
+                xs = [token_slabs(layer.x, r.permuted_to_expanded, r.tile_to_mn_limit, int(r.num_live_tiles), tile,
+                                  layer.top_k).view(torch.bfloat16) for r in layer.routings]
             for t in layer.inters + layer.slots:
                 t.fill_(float("nan"))
             inputs2 = [None] * len(layer.routings)
@@ -321,9 +323,8 @@ def main():
                 run_gemm1(g1, layer, i, dummies, x=xs[i])
                 if cfg[1].ring_tokens:
                     rows = torch.arange(r.permuted_to_expanded.numel(), dtype=torch.int32, device="cuda")
-                    inputs2[i] = streaming.token_slabs(layer.inters[i].view(rows.numel(), layer.inter), rows,
-                                                       r.tile_to_mn_limit, int(r.num_live_tiles), tile,
-                                                       1).view(torch.bfloat16)
+                    inputs2[i] = token_slabs(layer.inters[i].view(rows.numel(), layer.inter), rows,
+                                             r.tile_to_mn_limit, int(r.num_live_tiles), tile, 1).view(torch.bfloat16)
                 run_gemm2(g2, layer, i, dummies, a=inputs2[i])
             torch.cuda.synchronize()
             outputs = [t.clone() for t in layer.inters + layer.slots]

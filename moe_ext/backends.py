@@ -82,6 +82,15 @@ class HopperBackend:
         return launcher.token_tiles(problem.kernel_mode, problem.activation.kind)
 
     @staticmethod
+    def _slabs_fit(problem: MoEProblem, tactic: tuple) -> bool:
+        """Whether a forward on `tactic` fits the token slabs a workspace holds: its GEMM1 reads none, or T is at
+        most launcher.SLAB_MAX_TOKENS."""
+        from . import launcher
+
+        return (problem.num_tokens <= launcher.SLAB_MAX_TOKENS
+                or not launcher.reads_slabs(problem.kernel_mode, tactic[0], tactic[1]))
+
+    @staticmethod
     def _forms(problem: MoEProblem) -> dict:
         """launcher.kernel_forms for this problem: a localized shard's launches hold 1 / parts of the weight rows
         (that decides where 256-row weight tiles fit)."""
@@ -107,7 +116,8 @@ class HopperBackend:
     def tactics(self, problem: MoEProblem) -> list[Tactic]:
         from . import launcher
 
-        base = launcher.tactics(self._tiles(problem), **self._forms(problem))
+        base = [t for t in launcher.tactics(self._tiles(problem), **self._forms(problem))
+                if self._slabs_fit(problem, t)]
         if launcher.fits_fused_decode(problem):
             base.append((launcher.DECODE_TILE, launcher.FUSED_DECODE, launcher.FUSED_DECODE))
         if self._both_widths(problem):
@@ -122,13 +132,19 @@ class HopperBackend:
         sms = launcher.num_sms(problem.device)
         if problem.shards is not None:
             sms = problem.localized_sm_count or sms // parts
-        tactic = launcher.default_tactic(problem.num_tokens, problem.top_k, problem.num_experts,
-                                         problem.num_local_experts, problem.n1 // parts,
-                                         problem.hidden_size // parts, self._tiles(problem), sms,
-                                         fused_decode=launcher.DEFAULT_FUSED_DECODE
-                                         and launcher.fits_fused_decode(problem),
-                                         decode_gemm2_idle=launcher.decode_gemm2_idle(problem),
-                                         **self._default_forms(problem))
+        def heuristic(tiles: tuple) -> tuple:
+            return launcher.default_tactic(problem.num_tokens, problem.top_k, problem.num_experts,
+                                           problem.num_local_experts, problem.n1 // parts,
+                                           problem.hidden_size // parts, tiles, sms,
+                                           fused_decode=launcher.DEFAULT_FUSED_DECODE
+                                           and launcher.fits_fused_decode(problem),
+                                           decode_gemm2_idle=launcher.decode_gemm2_idle(problem),
+                                           **self._default_forms(problem))
+
+        tactic = heuristic(self._tiles(problem))
+        if not self._slabs_fit(problem, tactic):  # (it takes them below ~12 rows an expert: T < ~400 measured)
+            tactic = heuristic(tuple(t for t in self._tiles(problem)
+                                     if not launcher.reads_slabs(problem.kernel_mode, t, 1)))
         return tactic + (1,) if self._both_widths(problem) else tactic
 
     def run(self, problem: MoEProblem, tactic: Tactic, out: torch.Tensor,
@@ -141,15 +157,18 @@ class HopperBackend:
                                           aux_stream=problem.localized_memset_stream or problem.aux_stream)
         T, K = problem.num_tokens, problem.top_k
         wgmma = launcher.is_wgmma(split1)
+        slabs = launcher.reads_slabs(problem.kernel_mode, tile, split1)
         if workspace is not None and tile in workspace.tile_sizes:
             routing = workspace.routing_buffers(T, tile)
-            buffers = workspace.kernel_buffers.view(problem.quant_mode, routing.permuted_to_expanded.numel(),
-                                                    problem.intermediate_size, T, K, problem.hidden_size, wgmma)
+            rows = routing.permuted_to_expanded.numel()
+            buffers = workspace.kernel_buffers.view(problem.quant_mode, rows, problem.intermediate_size, T, K,
+                                                    problem.hidden_size, wgmma, rows if slabs else 0)
         else:
             routing = launcher.allocate_routing(T, K, problem.num_local_experts, tile, problem.device)
-            buffers = launcher.KernelBuffers.allocate(problem.quant_mode, routing.permuted_to_expanded.numel(),
-                                                      problem.intermediate_size, T, K, problem.hidden_size,
-                                                      problem.device, wgmma)
+            rows = routing.permuted_to_expanded.numel()
+            buffers = launcher.KernelBuffers.allocate(problem.quant_mode, rows, problem.intermediate_size, T, K,
+                                                      problem.hidden_size, problem.device, wgmma,
+                                                      rows if slabs else 0)
         memset_stream = problem.localized_memset_stream if problem.shards is not None else problem.aux_stream
         aux = streams.fork_join([memset_stream]) if memset_stream is not None else None
         shard_streams = streams.fork_join(problem.localized_streams) if problem.localized_streams else None

@@ -17,6 +17,7 @@ from .activation import LOG2E
 from .plan import ROLES
 from .quant.swizzle import swizzled_size
 from .routing import Routing, expected_experts_hit, expected_tile_fill, expected_tiles, max_num_tiles
+from .slabs import slab_bytes
 
 
 @functools.lru_cache(maxsize=None)
@@ -351,6 +352,30 @@ FUSED_DECODE_TILES_PER_SM = 18
 # 0.4-3.4) the table was mixed, the best 16-token tactic 0.94-1.03x of the 8-token default, and replays are pending.
 SIXTEEN_OVER_EIGHT_WAVES = 4
 THREE_CTA_TILES = (8, 32)  # moe_ext/kernels/sm90/stream.py THREE_CTA_TILES
+# Routing tiles whose streaming GEMM1 reads token slabs (moe_ext/kernels/sm90/gemm1.py SLAB_TILES; every mode but
+# w4a4_pt): a gather launch (moe_token_slabs) writes each routed row's x into them after the routing launch. They
+# take 2.125 bytes a routed row and hidden value (DeepSeek-V3: 1 GB at T=8192), so the tactics that read them are
+# offered up to SLAB_MAX_TOKENS tokens, the limit a workspace sizes them for (a tuner bucket edge,
+# tuning.token_bucket; DeepSeek-V3: ~120 MB). The tuner took 16-token streaming tiles up to T=256 on the H200 and
+# 32- to 128-token wgmma ones beyond (h200.json), which stay offered.
+SLAB_TILES = (16, 32)
+SLAB_MAX_TOKENS = 512
+
+
+SLAB_GATHER = "moe_token_slabs"
+
+
+def reads_slabs(mode: str, tile: int, split1: int) -> bool:
+    """Whether this GEMM1 (kernel mode, routing tile, GEMM1 split) is a slab GEMM1: a streaming form on SLAB_TILES
+    of a build that links the gather. build.py builds the gather exactly where it builds the slab GEMM1s, so a build
+    without it (an older one, the base of an A/B) runs its staging GEMM1s on these tiles."""
+    return (mode != "w4a4_pt" and tile in SLAB_TILES and split1 in K_SPLITS + (THREE_CTAS,)
+            and has_kernel(SLAB_GATHER))
+
+
+def slab_elements(rows: int, hidden: int) -> int:
+    """bf16 elements of the token slabs of `rows` routed rows (whole routing tiles)."""
+    return slab_bytes(rows, hidden) // 2
 # The GEMM2 each kernel mode runs: w4a4's FC2 input arrives decoded and its weights are NVFP4, as w4a16's.
 _GEMM2_MODE = {"w4a4": "w4a16"}
 X_FORMAT = {"w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}
@@ -569,6 +594,7 @@ class KernelBuffers:
     decoded), per-row FC2 scales (per-token mode) and the per-slot expert outputs the finalize kernel combines."""
 
     x_decoded: torch.Tensor
+    token_slabs: torch.Tensor  # the slab GEMM1's routed rows of x (reads_slabs; moe_token_slabs writes them)
     intermediate_bf16: torch.Tensor
     row_scale: torch.Tensor
     slot_output: torch.Tensor
@@ -578,11 +604,13 @@ class KernelBuffers:
 
     @staticmethod
     def sizes(quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int,
-              wgmma: bool = True) -> dict:
+              wgmma: bool = True, slab_rows: int = 0) -> dict:
         """Element counts of each buffer (0 where the mode does not use it). `wgmma`: whether the forward may run
-        the wgmma GEMMs (w4a16 then copies x into their K order; its streaming forward reads x itself)."""
+        the wgmma GEMMs (w4a16 then copies x into their K order; its streaming forward reads x itself).
+        `slab_rows`: the routed rows a slab GEMM1 may read (reads_slabs), 0 where none runs."""
         return dict(
             x_decoded=tokens * hidden if quant_mode != "w4a16" or wgmma else 0,
+            token_slabs=slab_elements(slab_rows, hidden),
             intermediate_bf16=rows * inter,
             row_scale=rows if quant_mode == "w4a4" else 0,
             slot_output=tokens * top_k * hidden,
@@ -593,17 +621,19 @@ class KernelBuffers:
 
     @classmethod
     def allocate(cls, quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int,
-                 device, wgmma: bool = True) -> "KernelBuffers":
-        dtypes = dict(x_decoded=torch.bfloat16, intermediate_bf16=torch.bfloat16, row_scale=torch.float32,
-                      slot_output=torch.bfloat16, decode_partials=torch.float32, decode_counts=torch.int32)
+                 device, wgmma: bool = True, slab_rows: int = 0) -> "KernelBuffers":
+        dtypes = dict(x_decoded=torch.bfloat16, token_slabs=torch.bfloat16, intermediate_bf16=torch.bfloat16,
+                      row_scale=torch.float32, slot_output=torch.bfloat16, decode_partials=torch.float32,
+                      decode_counts=torch.int32)
+        sizes = cls.sizes(quant_mode, rows, inter, tokens, top_k, hidden, wgmma, slab_rows)
         return cls(**{name: (torch.zeros if name == "decode_counts" else torch.empty)(max(n, 1), dtype=dtypes[name],
                                                                                      device=device)
-                      for name, n in cls.sizes(quant_mode, rows, inter, tokens, top_k, hidden, wgmma).items()})
+                      for name, n in sizes.items()})
 
     def view(self, quant_mode: str, rows: int, inter: int, tokens: int, top_k: int, hidden: int,
-             wgmma: bool = True) -> "KernelBuffers":
+             wgmma: bool = True, slab_rows: int = 0) -> "KernelBuffers":
         """The leading parts needed for a smaller problem (workspace buffers sized for the capacity)."""
-        sizes = self.sizes(quant_mode, rows, inter, tokens, top_k, hidden, wgmma)
+        sizes = self.sizes(quant_mode, rows, inter, tokens, top_k, hidden, wgmma, slab_rows)
         return KernelBuffers(**{name: getattr(self, name)[:max(n, 1)] for name, n in sizes.items()})
 
 
@@ -802,7 +832,11 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
     dummy = _dummies(device)
     rows = routing.permuted_to_expanded.numel()
-    sizes = KernelBuffers.sizes(problem.quant_mode, rows, I, T, K, H, wgmma)
+    slabs = reads_slabs(mode, routing.tile_size, k_splits[0])
+    if slabs and T > SLAB_MAX_TOKENS:
+        raise ValueError(f"k_splits {k_splits}: the {routing.tile_size}-token GEMM1 reads token slabs, offered up to "
+                         f"{SLAB_MAX_TOKENS} tokens, not {T}")
+    sizes = KernelBuffers.sizes(problem.quant_mode, rows, I, T, K, H, wgmma, rows if slabs else 0)
     buf = {name: _check(name, getattr(buffers, name)[:n], getattr(buffers, name).dtype, device, n, 16) if n
            else dummy[getattr(buffers, name).dtype] for name, n in sizes.items()}
     decode = None
@@ -818,6 +852,11 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     route(problem.token_selected_experts, E, problem.local_expert_offset, routing, enable_pdl, decode=decode,
           k_permuted=wgmma)
     maps = [routing.permuted_to_expanded, routing.tile_to_expert, routing.tile_to_mn_limit, routing.num_live_tiles]
+    if slabs:  # GEMM1 reads the routed rows' token slabs (its x argument)
+        launch(SLAB_GATHER, [x_bf16, routing.permuted_to_expanded, routing.tile_to_mn_limit,
+                                   routing.num_live_tiles, buf["token_slabs"]], [H, K, routing.tile_size],
+               enable_pdl, device)
+        x_bf16 = buf["token_slabs"]
     fc2_scale = problem.fc2_input_scale if problem.fc2_input_scale is not None else dummy[f32]
     pts = (_check("per_token_scale", problem.per_token_scale, f32, device, T) if problem.per_token_scale is not None
            else dummy[f32])

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import launcher
 from .launcher import KernelBuffers
 from .routing import Routing, max_num_tiles
 
@@ -40,6 +41,10 @@ class MoEWorkspace:
         tiles_of = {t: max(1, max_num_tiles(max_num_tokens, top_k, num_local_experts, t)) for t in tile_sizes}
         tiles = max(tiles_of.values())  # the tile maps hold the most tiles any routing tile needs,
         rows = max(n * t for t, n in tiles_of.items())  # the row maps the most rows
+        # token slabs for the slab GEMM1's tiles, up to the tokens they are offered at
+        slab_tokens = min(max_num_tokens, launcher.SLAB_MAX_TOKENS)
+        slab_rows = max([max_num_tiles(slab_tokens, top_k, num_local_experts, t) * t
+                         for t in tile_sizes if t in launcher.SLAB_TILES], default=0)
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
             max_num_tokens=max_num_tokens, top_k=top_k, num_local_experts=num_local_experts, tile_sizes=tile_sizes,
@@ -52,7 +57,7 @@ class MoEWorkspace:
             tile_to_mn_limit=torch.empty(tiles, **i32),
             num_live_tiles=torch.empty(1, **i32),
             kernel_buffers=KernelBuffers.allocate(quant_mode, rows, intermediate_size, max_num_tokens, top_k,
-                                                  hidden_size, device),
+                                                  hidden_size, device, slab_rows=slab_rows),
             output=torch.empty(max_num_tokens, hidden_size, dtype=output_dtype, device=device),
         )
 

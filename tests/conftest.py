@@ -199,8 +199,10 @@ def forward_in_fresh_buffers(problem, tile: int, k_splits: tuple, intermediate_f
 
     T, K, H, I = problem.num_tokens, problem.top_k, problem.hidden_size, problem.intermediate_size
     routing = launcher.allocate_routing(T, K, problem.num_local_experts, tile, problem.device)
-    buffers = launcher.KernelBuffers.allocate(problem.quant_mode, routing.permuted_to_expanded.numel(), I, T, K, H,
-                                              problem.device)
+    rows = routing.permuted_to_expanded.numel()
+    buffers = launcher.KernelBuffers.allocate(problem.quant_mode, rows, I, T, K, H, problem.device,
+                                              slab_rows=rows if launcher.reads_slabs(problem.kernel_mode, tile,
+                                                                                     k_splits[0]) else 0)
     if intermediate_fill is not None:
         buffers.intermediate_bf16.fill_(intermediate_fill)
     out = torch.empty(T, H, dtype=torch.bfloat16, device=problem.device)

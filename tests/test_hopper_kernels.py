@@ -33,7 +33,8 @@ def check_against_reference(case, fused, every_tile=True, **over):
     assert backend_for(problem) is HOPPER
     expected, gate = reference_and_gate(problem, TOLERANCE[case.mode])
     outs = []
-    tiles = sorted({t[0] for t in HOPPER.tactics(problem) if t[0] in launcher.TOKEN_TILES})  # streaming ones
+    tiles = sorted({t[0] for t in HOPPER.tactics(problem) if t[0] in launcher.TOKEN_TILES
+                    and t[1] in launcher.K_SPLITS})  # the streaming ones
     # every routing tile unsplit, and cluster split-K on both GEMMs with both tiles
     chosen = [(t, 1, 1) for t in tiles] + [(tiles[0], 4, 2), (tiles[-1], 2, 4)]
     if not every_tile:  # the smallest tile unsplit and the largest split: both kernels' paths, half the runs
@@ -42,11 +43,13 @@ def check_against_reference(case, fused, every_tile=True, **over):
                          (PADDED, W, W), (PADDED, W, WW)]
              + [(t, s, s) for t in launcher.NARROW_WGMMA_TILES for s in (W, WW)]
              if t in HOPPER.tactics(problem)]  # the wgmma GEMMs (both)
+    # Past SLAB_MAX_TOKENS the streaming tactics whose GEMM1 reads token slabs are not offered.
+    slab_tiles_gone = problem.num_tokens > launcher.SLAB_MAX_TOKENS and launcher.reads_slabs(problem.kernel_mode, 32, 1)
     assert (launcher.WGMMA_TILE, W, W) in wgmma, "every mode links the wgmma GEMMs"  # and the 256 ones, when built
     assert {(32, W, W), (64, W, W)} <= set(wgmma), "every mode links the 32- and 64-token wgmma GEMMs"
     chosen += wgmma
     C = launcher.THREE_CTAS  # the three-CTA forms: both GEMMs, and each beside a K split; 32-token tiles too
-    three = [(8, C, C), (8, C, 2), (8, 4, C), (32, C, C)]
+    three = [(8, C, C), (8, C, 2), (8, 4, C)] + ([] if slab_tiles_gone else [(32, C, C)])
     assert all(t in HOPPER.tactics(problem) for t in three), "every mode links the three-CTA form"
     chosen += three if every_tile else three[:1]
     persistent = (16, 2, launcher.PERSISTENT)  # w4a16's GEMM2 (w4a4's too), beside a GEMM1 K split
@@ -62,7 +65,7 @@ def check_against_reference(case, fused, every_tile=True, **over):
             again = moe_ext.cute_dsl_fused_moe(**kw, tactic=tactic)
             assert torch.equal(again, out), "deterministic finalize must be bitwise reproducible"
         outs.append(out)
-    assert len(tiles) == len(launcher.TOKEN_TILES)
+    assert len(tiles) == len(launcher.TOKEN_TILES) - (len(launcher.SLAB_TILES) if slab_tiles_gone else 0)
     return outs[0]
 
 

@@ -39,7 +39,7 @@ def test_every_shipped_kernel_compiles_for_sm90a(built_kernels):
         gemms += [f"moe_gemm2_{mode}{suffix}" for mode in ("w4a16", "w4a4_pt", "w4a8")]
     gemms += [f"moe_gemm2_{mode}_t144_wgmma_n256" for mode in ("w4a16", "w4a4_pt", "w4a8")]  # GEMM2 only
     assert names == ["moe_routing", *gemms, "moe_routing_decode_nvfp4", "moe_routing_decode_mxfp8",
-                     "moe_routing_decode_bf16", "moe_fc2_quant_per_token", "moe_finalize",
+                     "moe_routing_decode_bf16", "moe_token_slabs", "moe_fc2_quant_per_token", "moe_finalize",
                      *(f"moe_decode_w4a16_{kind}{form}" for kind in ("swiglu", "situ", "geglu_tanh", "relu2")
                        for form in ("", "_fc2", "_split2", "_split2_fc2")), "moe_decode_w4a16_swiglu_fc2_ring6"]
     table = (tmp_path / "kernel_table.inc").read_text()
@@ -97,17 +97,28 @@ def test_installed_launcher_links_the_kernels():
     assert {"moe_routing", "moe_gemm1_w4a4_swiglu_t8", "moe_gemm2_w4a8_t64", "moe_gemm2_w4a16_t8_3cta",
             "moe_gemm1_w4a16_relu2_t128_wgmma", "moe_gemm2_w4a16_t128_wgmma", "moe_gemm1_w4a8_swiglu_t128_wgmma",
             "moe_gemm2_w4a4_pt_t128_wgmma", "moe_routing_decode_mxfp8", "moe_routing_decode_bf16",
-            "moe_fc2_quant_per_token", "moe_finalize"} <= linked
+            "moe_token_slabs", "moe_fc2_quant_per_token", "moe_finalize"} <= linked
 
 
-def test_launcher_knows_the_compiled_token_tiles():
+def test_launcher_knows_the_compiled_token_tiles(monkeypatch):
     from moe_ext import launcher
     from moe_ext.kernels.sm90 import stream
 
     from moe_ext.kernels.sm90 import wgmma_mainloop
 
+    from moe_ext.kernels.sm90 import gemm1
+
     assert launcher.TOKEN_TILES == stream.TOKEN_TILES
     assert launcher.THREE_CTA_TILES == stream.THREE_CTA_TILES
+    # the slab GEMM1s: which objects of a build with the gather read token slabs
+    assert launcher.SLAB_TILES == gemm1.SLAB_TILES
+    monkeypatch.setattr(launcher, "_linked_kernels", lambda: frozenset({launcher.SLAB_GATHER}))
+    for mode in gemm1.MODES:
+        for tile in stream.TOKEN_TILES:
+            assert launcher.reads_slabs(mode, tile, 1) == gemm1.config_for(mode, tile).ring_tokens, (mode, tile)
+            if tile in stream.THREE_CTA_TILES:
+                three = gemm1.config_for(mode, tile, three_ctas=True).ring_tokens
+                assert launcher.reads_slabs(mode, tile, launcher.THREE_CTAS) == three, (mode, tile)
     assert (*launcher.NARROW_WGMMA_TILES, launcher.WGMMA_TILE, launcher.PADDED_WGMMA_TILE,
             launcher.WIDE_WGMMA_TILE) == wgmma_mainloop.TILES
 
@@ -253,41 +264,11 @@ def test_token_k_order_puts_each_token_where_its_decoded_weight_pair_sits():
             assert [stage_position(16 * q + 8 * p + j + 4) for q in range(4)] == [s + 1 for s in starts]
 
 
-def test_token_slabs_hold_each_routed_row_where_the_staging_would_store_it():
-    """stream.token_slabs (the ring_tokens GEMM1's tokens): routing tile m's step s is `tile` rows of RING_PITCH
-    bytes at (m * steps + s) * tile * RING_PITCH; value k of the step of routed row r (token = permuted_to_expanded /
-    top_k) sits in 16-byte chunk chunk_position(k // 8) at pair slot 2 (k % 4) + (k % 8) // 4, times 2^63, where
-    the token tile's staging stores it; rows past a tile's limit and the pitch padding stay zero."""
-    import torch
-
-    from moe_ext.kernels.sm90 import stream
-    from moe_ext.routing import compute_routing
-
-    gen = torch.Generator().manual_seed(3)
-    tokens, hidden, experts, top_k, tile = 5, 256, 8, 2, 16
-    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
-    r = compute_routing(torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices.int(), experts, 0, tile)
-    slabs = stream.token_slabs(x, r.permuted_to_expanded, r.tile_to_mn_limit, int(r.num_live_tiles), tile, top_k)
-    steps = hidden // 128
-    assert slabs.numel() == stream.slab_bytes(r.permuted_to_expanded.numel(), hidden)
-    slabs = slabs.view(torch.bfloat16).view(-1, steps, tile, stream.RING_PITCH // 2).float()
-    expected = torch.zeros_like(slabs)
-    for p in range(r.permuted_to_expanded.numel()):
-        m, row = divmod(p, tile)
-        if m >= int(r.num_live_tiles) or p >= int(r.tile_to_mn_limit[m]):
-            continue
-        token = int(r.permuted_to_expanded[p]) // top_k
-        for k in range(hidden):
-            s, c, v = k // 128, (k % 128) // 8, k % 8
-            expected[m, s, row, 8 * stream.chunk_position(c) + 2 * (v % 4) + v // 4] = float(x[token, k]) * 2.0 ** 63
-    assert torch.equal(slabs, expected)
-
-
 @pytest.mark.parametrize("gemm,tokens", [(1, 8), (1, 16), (1, 32), (2, 16), (2, 32)])
 def test_ring_token_gemms_fit_their_ctas_per_sm_and_compile(gemm, tokens):
-    """The ring_tokens GEMMs (benchmarks/stream_variants.py variants: a token slab a stage instead of the staged
-    K-chunks) hold a step's token rows a slot instead of the token tile: they fit the CTAs an SM their configuration
-    asks for, in less shared memory, and compile for sm_90a."""
+    """The ring_tokens GEMMs (a token slab a stage instead of the staged K-chunks: the 16/32-token slab GEMM1s, and
+    benchmarks/stream_variants.py variants elsewhere) hold a step's token rows a slot instead of the token tile: they
+    fit the CTAs an SM their configuration asks for, in less shared memory, and compile for sm_90a."""
     import dataclasses
 
     from moe_ext.kernels.sm90 import gemm1, gemm2, stream

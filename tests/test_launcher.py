@@ -41,3 +41,34 @@ def test_launch_plan_checks_every_step_when_it_is_built():
         plan.add_launch("moe_finalize", buffers, [128.0, 2.0], True, 0, [(7, 0)])
     with pytest.raises(ValueError, match="no kernel named"):
         plan.add_launch("moe_nothing", buffers, [], True, 0, [])
+
+
+def test_token_slabs_hold_each_routed_row_where_the_staging_would_store_it():
+    """moe_ext.slabs.token_slabs (the slab GEMM1's tokens): routing tile m's step s is `tile` rows of RING_PITCH
+    bytes at (m * steps + s) * tile * RING_PITCH; value k of the step of routed row r (token = permuted_to_expanded /
+    top_k) sits in 16-byte chunk chunk_position(k // 8) at pair slot 2 (k % 4) + (k % 8) // 4, times 2^63, where
+    the token tile's staging stores it; rows past a tile's limit and the pitch padding stay zero."""
+    import torch
+
+    from moe_ext import launcher, slabs
+    from moe_ext.routing import compute_routing
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, hidden, experts, top_k, tile = 5, 256, 8, 2, 16
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    r = compute_routing(torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices.int(), experts, 0, tile)
+    got = slabs.token_slabs(x, r.permuted_to_expanded, r.tile_to_mn_limit, int(r.num_live_tiles), tile, top_k)
+    steps, slabs_bytes = hidden // 128, got.numel()
+    assert slabs_bytes == slabs.slab_bytes(r.permuted_to_expanded.numel(), hidden)
+    got = got.view(torch.bfloat16).view(-1, steps, tile, slabs.RING_PITCH // 2).float()
+    expected = torch.zeros_like(got)
+    for p in range(r.permuted_to_expanded.numel()):
+        m, row = divmod(p, tile)
+        if m >= int(r.num_live_tiles) or p >= int(r.tile_to_mn_limit[m]):
+            continue
+        token = int(r.permuted_to_expanded[p]) // top_k
+        for k in range(hidden):
+            s, c, v = k // 128, (k % 128) // 8, k % 8
+            expected[m, s, row, 8 * slabs.chunk_position(c) + 2 * (v % 4) + v // 4] = float(x[token, k]) * 2.0 ** 63
+    assert torch.equal(got, expected)
+    assert launcher.slab_elements(r.permuted_to_expanded.numel(), hidden) * 2 == slabs_bytes

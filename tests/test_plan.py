@@ -167,7 +167,8 @@ def fake_forward(monkeypatch, mode, fused, shards=False, aux=False, per_token=Fa
         kw["localized_weights"] = moe_ext.split_localized_shards(case.prepared)
     problem = build_problem(**kw)
     routing = launcher.allocate_routing(5, 2, 8, tile, "cpu")
-    buffers = launcher.KernelBuffers.allocate(mode, routing.permuted_to_expanded.numel(), 256, 5, 2, 256, "cpu")
+    rows = routing.permuted_to_expanded.numel()
+    buffers = launcher.KernelBuffers.allocate(mode, rows, 256, 5, 2, 256, "cpu", slab_rows=rows)
     out = torch.empty(5, 256, dtype=torch.bfloat16)
     with launcher.recording() as recorded:
         launcher.forward(problem, routing, buffers, out, True, k_splits,
@@ -329,6 +330,47 @@ def test_w4a16_wgmma_forward_copies_x_into_the_wgmma_k_order_in_the_routing_laun
     assert sizes("w4a16", 8, 256, 5, 2, 256, wgmma=False)["x_decoded"] == 0
     assert sizes("w4a16", 8, 256, 5, 2, 256, wgmma=True)["x_decoded"] == sizes("w4a8", 8, 256, 5, 2, 256,
                                                                                wgmma=False)["x_decoded"] == 5 * 256
+
+
+@pytest.mark.parametrize("mode,per_token,tile,k_splits", [
+    ("w4a16", False, 16, (1, 1)), ("w4a16", False, 32, (launcher.THREE_CTAS, 1)), ("w4a4", False, 16, (2, 1)),
+    ("w4a8", False, 32, (1, 2)), ("w4a4", True, 16, (1, 1))])
+def test_slab_gemm1_reads_the_token_slabs_a_gather_launch_writes_after_the_routing(monkeypatch, mode, per_token,
+                                                                                    tile, k_splits):
+    """On launcher.SLAB_TILES, in a build that links the gather, the streaming GEMM1 reads its tokens as token slabs:
+    a gather launch between the routing launch and GEMM1 writes them (from the caller's x in w4a16, from the decoded
+    x otherwise) into the token_slabs buffer, sized for the routed rows, and GEMM1 takes that buffer as its x. w4a4
+    per-token keeps the staging GEMM1 (its forward has no node to spare), and so does a build without the gather."""
+    recorded, *_ = fake_forward(monkeypatch, mode, True, per_token=per_token, tile=tile, k_splits=k_splits)
+    assert launcher.SLAB_GATHER not in [step.name for step in recorded if isinstance(step, Launch)]
+    monkeypatch.setattr(launcher, "_linked_kernels", lambda: frozenset({launcher.SLAB_GATHER}))
+    recorded, calls, kw, out = fake_forward(monkeypatch, mode, True, per_token=per_token, tile=tile,
+                                            k_splits=k_splits)
+    launches = [step for step in recorded if isinstance(step, Launch)]
+    names = [step.name for step in launches]
+    kernel_mode = "w4a4_pt" if per_token else mode
+    gemm1 = launcher.gemm1_kernel(kernel_mode, "swiglu", tile, k_splits[0])
+    if per_token:
+        assert "moe_token_slabs" not in names and names[1] == gemm1
+        return
+    assert names[1:3] == ["moe_token_slabs", gemm1]
+    gather = launches[1]
+    rows = launcher.allocate_routing(5, 2, 8, tile, "cpu").permuted_to_expanded.numel()
+    assert gather.buffers[-1][1] == launcher.slab_elements(rows, 256)
+    assert launches[2].buffers[0] == gather.buffers[-1], "GEMM1 reads the slabs"
+    if mode == "w4a16":
+        assert "x" in {role for _, role in gather.roles}, "the gather reads the caller's x"
+    else:
+        assert gather.buffers[0] == launches[0].buffers[-1], "the gather reads the decoded x"
+    assert len(names) <= 5
+
+
+def test_slab_gemm1_is_refused_past_the_tokens_its_slabs_are_sized_for(monkeypatch):
+    monkeypatch.setattr(launcher, "_linked_kernels", lambda: frozenset({launcher.SLAB_GATHER}))
+    monkeypatch.setattr(launcher, "SLAB_MAX_TOKENS", 4)
+    with pytest.raises(ValueError, match="reads token slabs, offered up to 4 tokens, not 5"):
+        fake_forward(monkeypatch, "w4a16", True, tile=16, k_splits=(1, 1))
+    fake_forward(monkeypatch, "w4a16", True, tile=8, k_splits=(1, 1))  # the 8-token GEMM1 stages its tokens
 
 
 @pytest.mark.parametrize("mode,per_token", [("w4a4", False), ("w4a4", True), ("w4a8", False)])

@@ -80,3 +80,36 @@ def test_routing_launcher_rejects_bad_buffers():
         launcher.route(ids, 8, 0, out)
     with pytest.raises(ValueError, match="num_experts must be in"):
         launcher.route(ids.int(), 4096, 0, launcher.allocate_routing(4, 2, 4096, 128, "cuda"))
+
+
+@pytest.mark.skipif(not launcher.has_kernel("moe_token_slabs"), reason="launcher built without the token-slab gather")
+@pytest.mark.parametrize("case", [(5, 2, 8, 8, 0, 16, 256), (256, 8, 256, 32, 96, 16, 7168),
+                                  (300, 4, 128, 128, 0, 32, 2944), (1, 8, 256, 256, 0, 32, 1024)], ids=str)
+def test_token_slab_gather_writes_moe_ext_slabs_layout(case):
+    """The gather launch after the routing (moe_token_slabs) writes every live routed row of x in the token slab
+    layout of moe_ext.slabs bit for bit, and leaves padding rows as they were (the slab GEMM1 copies live rows
+    only)."""
+    from moe_ext import slabs
+
+    T, K, num_experts, num_local, offset, tile, hidden = case
+    g = torch.Generator().manual_seed(T + hidden)
+    ids, _ = routing(T, K, num_experts, g, invalid_fraction=0.05)
+    out = launcher.allocate_routing(T, K, num_local, tile, "cuda")
+    launcher.route(ids.cuda(), num_local, offset, out)
+    x = (torch.randn(T, hidden, generator=g) * 4).to(torch.bfloat16).cuda()
+    rows = out.permuted_to_expanded.numel()
+    buffer = torch.full((launcher.slab_elements(rows, hidden),), float("nan"), dtype=torch.bfloat16, device="cuda")
+    launcher.launch("moe_token_slabs", [x.reshape(-1), out.permuted_to_expanded, out.tile_to_mn_limit,
+                                        out.num_live_tiles, buffer], [hidden, K, tile], True, x.device)
+    torch.cuda.synchronize()
+    want = slabs.token_slabs(x, out.permuted_to_expanded, out.tile_to_mn_limit, int(out.num_live_tiles), tile, K)
+    got = buffer.view(torch.uint8).view(rows // tile, hidden // 128, tile, slabs.RING_PITCH)
+    want = want.view(rows // tile, hidden // 128, tile, slabs.RING_PITCH)
+    limits = out.tile_to_mn_limit.cpu()
+    live = torch.tensor([m < int(out.num_live_tiles) and m * tile + r < int(limits[m])
+                         for m in range(rows // tile) for r in range(tile)]).view(rows // tile, tile).cuda()
+    written = live[:, None, :, None].expand_as(got).clone()
+    written[..., 256:] = False  # a row's 16 pitch bytes are never written nor read
+    assert torch.equal(got[written], want[written])
+    untouched = buffer.view(rows // tile, hidden // 128, tile, slabs.RING_PITCH // 2)
+    assert torch.isnan(untouched[~live[:, None, :, None].expand_as(untouched)]).all(), "padding rows written"

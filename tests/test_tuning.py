@@ -250,6 +250,36 @@ def test_persistent_gemm2_is_offered_on_16_token_tiles_to_the_tuner_only():
     assert "persistent" in HOPPER._forms(problem) and "persistent" not in HOPPER._default_forms(problem)
 
 
+@pytest.mark.parametrize("mode,per_token", [("w4a16", False), ("w4a8", False), ("w4a4", True)])
+def test_slab_tactics_are_offered_up_to_the_tokens_their_slabs_are_sized_for(monkeypatch, mode, per_token):
+    """Past launcher.SLAB_MAX_TOKENS neither the tuner nor the heuristic gets a tactic whose GEMM1 reads token slabs
+    (a workspace sizes them for that many tokens); the same tiles' wgmma tactics stay, and w4a4 per-token, whose
+    GEMM1 stages, keeps them all."""
+    from moe_ext import launcher
+    from moe_ext.backends import HOPPER
+
+    monkeypatch.setattr(launcher, "_linked_kernels", lambda: frozenset({launcher.SLAB_GATHER}))
+    monkeypatch.setattr(launcher, "token_tiles", lambda mode, kind: launcher.TOKEN_TILES)
+    monkeypatch.setattr(launcher, "kernel_forms", lambda *args: dict(
+        wgmma=True, wide=(False, False), three_ctas=True, narrow_wgmma=(32, 64), persistent=False))
+    monkeypatch.setattr(launcher, "num_sms", lambda device: 132)
+    monkeypatch.setattr(launcher, "SLAB_MAX_TOKENS", 64)
+    for tokens, slab_tactics_offered in ((64, True), (65, per_token)):
+        kw = make_case(mode, num_tokens=tokens, top_k=2, num_experts=16, hidden=256, inter=256).kwargs()
+        if per_token:
+            kw["per_token_scale"] = torch.rand(tokens) + 0.5
+        problem = build_problem(**kw)
+        offered = HOPPER.tactics(problem)
+        slab = [t for t in offered if launcher.reads_slabs(problem.kernel_mode, t[0], t[1])]
+        assert bool(slab) == (slab_tactics_offered and not per_token), (tokens, slab)
+        assert {(16, 1, 1), (32, 1, 1), (32, launcher.THREE_CTAS, 1)} <= set(offered) or not slab_tactics_offered
+        assert (32, launcher.WGMMA, launcher.WGMMA) in offered
+        assert (8, 1, 1) in offered and (64, 1, 1) in offered
+        default = HOPPER.default_tactic(problem)  # 8 rows an expert: the heuristic's 16-token tile, where offered
+        assert launcher.reads_slabs(problem.kernel_mode, default[0], default[1]) == (slab_tactics_offered
+                                                                                     and not per_token), default
+
+
 def test_wide_weight_kernels_are_named_and_offered_only_where_rows_allow(monkeypatch):
     """WGMMA_WIDE selects the `_wgmma_n256` kernels (w4a4's GEMM2 is w4a16's, as for WGMMA), and a GEMM whose
     weight rows are not a multiple of 256 (gpt-oss: 2 x 2880 W1 rows) never takes it."""

@@ -34,7 +34,7 @@ def specialisations():
     import functools
 
     from . import (activations, decode_fused, fc2_quant_per_token, finalize, gemm1, gemm1_wgmma, gemm2, gemm2_wgmma,
-                   routing, stream, wgmma_mainloop)
+                   routing, stream, token_slabs, wgmma_mainloop)
 
     specs = [("moe_routing", routing.compile_routing)]
     for tokens in stream.TOKEN_TILES:
@@ -72,6 +72,8 @@ def specialisations():
                   for mode in gemm2_wgmma.MODES]
     specs += [(f"moe_routing_decode_{fmt}", functools.partial(routing.compile_routing_decode, fmt))
               for fmt in routing.DECODE_FORMATS]
+    # The gather of the routed rows' token slabs the slab GEMM1s read (gemm1.SLAB_TILES).
+    specs.append(("moe_token_slabs", token_slabs.compile_token_slabs))
     specs += [("moe_fc2_quant_per_token", fc2_quant_per_token.compile_fc2_quant),
               ("moe_finalize", finalize.compile_finalize)]
     # The one-launch small-T forward (w4a16, fused finalize; launcher.FUSED_DECODE), its form whose GEMM2 splits K

@@ -4,9 +4,11 @@ Grid (max tiles, N1 / 128, K split): CTA (m, n, r) takes routing tile m (one loc
 rows), weight rows [128n, 128n + 128) and K range r of its cluster, through the streaming mainloop (stream.py);
 tiles past the device-side live count exit, so the grid depends only on T. N1 is the weight rows of this launch
 (2I, or I for a localized shard); its intermediate columns start at `col_offset` of rows `inter` (= I) wide.
-Token rows are gathered through permuted_to_expanded (token = expanded // top_k) straight from the bf16 x: the
-permuted copy is never materialised. With the 64-row up/gate interleave, a 128-row weight tile yields intermediate
-columns [64n, 64n + 64): up in accumulator columns 0..63, gate in 64..127.
+Token rows are gathered through permuted_to_expanded (token = expanded // top_k) straight from the bf16 x, except
+on SLAB_TILES: there `x_bf16` holds the routed rows' token slabs (token_slabs.py, launched before this kernel),
+each stage's rows one bulk copy, and the grid runs a routing tile's weight tiles next to each other (N1 / 128, max
+tiles, K split) so its slabs are read again while in L2. With the 64-row up/gate interleave, a 128-row weight tile
+yields intermediate columns [64n, 64n + 64): up in accumulator columns 0..63, gate in 64..127.
 
 The activations always arrive as bf16 `x_bf16`: in w4a4 / w4a8 the routing launch decoded them exactly (routing.py),
 once per forward, where staging them here would decode every row again in each of an expert's N tiles. The FC2
@@ -19,6 +21,8 @@ Every tensor is flat; the arguments are the wgmma GEMM1's (the launcher picks ei
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -29,17 +33,34 @@ from . import activations, ptx, quantize
 from . import stream as streaming
 
 MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
+# Routing tiles whose GEMM1 reads its tokens as token slabs (stream.TokenSlabs: a stage's token rows in one bulk copy,
+# from the matrix token_slabs.py gathers after the routing launch) instead of staging K-chunks. Whole forwards, gather
+# included: 1.03-1.11x on the H200 at T=32-256 (one point, DeepSeek-V3 T=32, 0.965x), 0.99-1.03x on the H100
+# (session50_checks.md). w4a4_pt keeps the staging: the gather is a kernel node, and its forward already has a node
+# more (the per-token quantizer).
+SLAB_TILES = (16, 32)
+
+
+def reads_slabs(mode: str, tokens: int) -> bool:
+    return tokens in SLAB_TILES and mode != "w4a4_pt"
+
+
+def config_for(mode: str, tokens: int, three_ctas: bool = False) -> streaming.StreamConfig:
+    """The mainloop of this GEMM1: stream.config_for's, reading token slabs where reads_slabs."""
+    return replace(streaming.config_for(tokens, 1, three_ctas), ring_tokens=reads_slabs(mode, tokens))
+
+
 # FC2-input values one epilogue task finishes (both GEMM1 families): a scale block in w4a4 / w4a8, one 16-byte store
 # of bf16 otherwise.
 EPILOGUE_GROUP = {"w4a16": 8, "w4a4": 16, "w4a4_pt": 8, "w4a8": 32}
 
 
 def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig | None = None):
-    """cfg: the mainloop's configuration (default stream.config_for(tokens, 1); benchmarks/stream_variants.py
-    times others)."""
+    """cfg: the mainloop's configuration (default config_for(mode, tokens); benchmarks/stream_variants.py times
+    others)."""
     gated = kind != "relu2"
     b_block = 32 if mode == "w4a8" else 16
-    cfg = cfg or streaming.config_for(tokens, 1)
+    cfg = cfg or config_for(mode, tokens)
 
     group = EPILOGUE_GROUP[mode]
 
@@ -132,7 +153,7 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
 
 
 def compile_gemm1(mode: str, kind: str, tokens: int, options: str, three_ctas: bool = False):
-    return compile_launch(make_kernel(mode, kind, tokens, streaming.config_for(tokens, 1, three_ctas)), options)
+    return compile_launch(make_kernel(mode, kind, tokens, config_for(mode, tokens, three_ctas)), options)
 
 
 def compile_launch(launch, options: str, stream=None):

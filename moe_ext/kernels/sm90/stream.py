@@ -43,6 +43,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.experimental.cuda import TensorMapL2Promotion, create_tensor_map_tiled_from_view
 
+from ...slabs import RING_PITCH, chunk_position
 from . import ptx
 from .fp4 import e4m3_to_f32, swizzled_sf_offset, ue8m0_to_f32
 
@@ -72,7 +73,7 @@ class StreamConfig:
     # pay for fewer padding columns.
     narrow: bool = True
     # Token slabs in the ring: each stage also carries its step's 256 bytes of every live token row, one bulk copy
-    # a stage from a TokenSlabs matrix (the tile's rows already in the tile's order and scale, a step's rows
+    # a stage from token slabs (moe_ext/slabs.py: the tile's rows already in the tile's order and scale, a step's rows
     # contiguous), so no K-chunk is staged by the threads. The staging stalled the warps on global loads at every
     # chunk: leave-one-out 6-16% of GEMM1 at T=256 on 16-token tiles; a copy a row (16-32 a stage) lost that
     # again (session 49).
@@ -186,8 +187,6 @@ def row_pitch(tokens: int, c: StreamConfig) -> int:
         return RING_PITCH
     return (k_chunk(tokens, c) + 8) * 2
 
-
-RING_PITCH = 272  # bytes between token rows of a ring slot (ring_tokens): a step's 256 and a staggering 16
 
 
 class Smem(NamedTuple):
@@ -373,12 +372,6 @@ def weight_map(w: cute.Tensor, experts, rows_per_expert, k_extent, c: StreamConf
                                              l2_promotion=TensorMapL2Promotion.l2_128b)
 
 
-def chunk_position(chunk):
-    """Where 8-value chunk `chunk` of a token row sits in the tile (and in a token_slabs matrix): bit 1 flips with
-    bit 3, so the four threads of a quad (32 K apart) hit different banks."""
-    return chunk ^ (((chunk >> 3) & 1) << 1)
-
-
 def tile_address(sm: Smem, row, chunk) -> Int32:
     """Shared address of 8-value chunk `chunk` of token row `row`."""
     return sm.tokens + row * sm.pitch + chunk_position(chunk) * 16
@@ -480,8 +473,8 @@ class TokensReady(NamedTuple):
 
 class TokenSlabs(NamedTuple):
     """The load_group of a ring_tokens mainloop: `tile_base` is the global byte address of this routing tile's slab
-    of step 0 in a token_slabs matrix, `rows` how many of its rows are live (run time); each stage is one bulk copy
-    of a step's live rows."""
+    of step 0 in a token slab matrix (moe_ext/slabs.py), `rows` how many of its rows are live (run time); each stage
+    is one bulk copy of a step's live rows."""
 
     tile_base: object
     rows: object
@@ -505,31 +498,6 @@ def block_coords(c: StreamConfig) -> tuple:
     """(routing tile, weight tile, K range inside the cluster) of this CTA in a launch_grid grid."""
     x, y, rank = cute.arch.block_idx()
     return (y, x, rank) if c.ring_tokens else (x, y, rank)
-
-
-def slab_bytes(rows: int, k: int) -> int:
-    """Bytes of a token_slabs matrix of `rows` permuted rows (whole routing tiles) and K = k."""
-    return rows * (k // StreamConfig.k_step) * RING_PITCH
-
-
-def token_slabs(x_bf16, permuted_to_expanded, tile_to_mn_limit, num_live_tiles: int, tile: int, top_k: int):
-    """The TokenSlabs matrix of the routed rows of a [T, K] bf16 torch tensor (torch; benchmarks/stream_variants.py
-    makes the ring_tokens GEMMs' inputs with it): routing tile m's step s is `tile` rows of RING_PITCH bytes at byte
-    (m * steps + s) * tile * RING_PITCH, row r of it the step's 128 values of token permuted_to_expanded[m * tile +
-    r] // top_k as the staging stores them (chunk_position's 16-byte chunks, each (x0 x4)(x1 x5)(x2 x6)(x3 x7)) times
-    2^63; padding rows and bytes are zero. Returned as bytes."""
-    import torch
-
-    t, k = x_bf16.shape
-    steps, rows = k // StreamConfig.k_step, permuted_to_expanded.numel()
-    position = torch.tensor([chunk_position(c) for c in range(16)], device=x_bf16.device)
-    tiled = (x_bf16.reshape(t, steps, 16, 2, 4).transpose(-1, -2)[:, :, position].reshape(t, steps, 128).float()
-             * TWO_P63).to(torch.bfloat16)
-    out = torch.zeros(rows // tile, tile, steps, RING_PITCH // 2, dtype=torch.bfloat16, device=x_bf16.device)
-    p = torch.arange(num_live_tiles * tile, device=x_bf16.device)
-    live = p[p < tile_to_mn_limit.to(p.device)[p // tile]]
-    out.view(-1, steps, RING_PITCH // 2)[live, :, :128] = tiled[permuted_to_expanded.to(p.device)[live].long() // top_k]
-    return out.transpose(1, 2).contiguous().reshape(-1).view(torch.uint8)
 
 
 class FirstCopies(NamedTuple):
