@@ -75,13 +75,14 @@ def opcode_counts(listing: str) -> collections.Counter:
 
 
 def mainloop_local_ops(listing: str) -> int:
-    """Local-memory loads and stores between a kernel's first and last HGMMA: spills inside the wgmma mainloop
-    (values that only cross the setmaxnreg branches are loaded outside it, once per work item)."""
+    """Local-memory loads and stores between a kernel's first and last HGMMA or HMMA: spills inside the mainloop
+    (values that only cross the setmaxnreg branches, or are parked across the whole mainloop, are stored and loaded
+    outside it, once per work item or CTA)."""
     lines = listing.splitlines()
-    hgmma = [i for i, line in enumerate(lines) if "HGMMA" in line]
-    if not hgmma:
+    mma = [i for i, line in enumerate(lines) if re.search(r"\bHG?MMA\b", line)]
+    if not mma:
         return 0
-    return sum(1 for line in lines[hgmma[0]:hgmma[-1] + 1] if re.search(r"\b(LDL|STL)\b", line))
+    return sum(1 for line in lines[mma[0]:mma[-1] + 1] if re.search(r"\b(LDL|STL)\b", line))
 
 
 _HGMMA_SHAPE = re.compile(r"HGMMA\.(\d+x\d+x\d+)")
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
         local = counts["LDL"] + counts["STL"]
         top = ", ".join(f"{op} {n}" for op, n in counts.most_common(12))
         print(f"{os.path.basename(path)}: {sum(counts.values())} instructions, local memory ops {local} "
-              f"({mainloop_local_ops(listing)} inside the wgmma mainloop), serialized wgmmas "
+              f"({mainloop_local_ops(listing)} inside the mainloop), serialized wgmmas "
               f"{serialized_wgmmas(listing)}, wgmma widths {wgmma_widths(listing)}; {top}")
         for n, loop in mma_loops(listing) if args.loops else []:
             print(f"  MMA loop: {n} instructions; " + ", ".join(f"{op} {k}" for op, k in loop.most_common(14)))

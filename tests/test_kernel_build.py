@@ -378,10 +378,12 @@ def test_wgmma_gemms_split_the_register_file_between_their_roles(built_kernels, 
         assert "USETMAXREG.DEALLOC" in listing and "USETMAXREG.TRY_ALLOC" in listing, name
 
 
-def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):
+def test_three_cta_streaming_gemms_do_not_spill_in_their_mainloop(built_kernels, kernel_sass):
     """The 16-token streaming GEMMs run three CTAs an SM (stream.config_for), and so do the 8- and 32-token ones'
     `_3cta` form and the persistent 16-token GEMM2, which caps them at 80 registers a thread: none of them may touch
-    local memory (a spill would sit in every K step's decode)."""
+    local memory in its mainloop (a spill there would sit in every K step's decode). A value parked across the whole
+    mainloop (stored before it, loaded after it: the slab GEMM1 32-token 3-CTA geglu_tanh, session 50) costs a
+    store and a load a CTA; at most two such pairs."""
     from moe_ext.kernels.sm90 import stream
 
     assert stream.config_for(16, 1).ctas_per_sm == stream.config_for(16, 2).ctas_per_sm == 3
@@ -395,8 +397,9 @@ def test_three_cta_streaming_gemms_do_not_spill(built_kernels, kernel_sass):
     assert len(names) == 3 * 18  # each: 15 GEMM1 (modes x activations) + 3 GEMM2 (w4a4 runs w4a16's)
     names.append("moe_gemm2_w4a16_t16_persistent")  # the 16-token form's persistent GEMM2 (persistent.py)
     for name in names:
-        counts = kernel_sass.opcode_counts(kernel_sass.sass(str(built_kernels / f"{name}.o")))
-        assert counts["LDL"] + counts["STL"] == 0, name
+        listing = kernel_sass.sass(str(built_kernels / f"{name}.o"))
+        counts = kernel_sass.opcode_counts(listing)
+        assert kernel_sass.mainloop_local_ops(listing) == 0 and counts["LDL"] + counts["STL"] <= 4, name
 
 
 @pytest.mark.parametrize("form", ["", "_split2", "_fc2", "_split2_fc2", "_fc2_ring6"])

@@ -341,6 +341,7 @@ def test_slab_gemm1_reads_the_token_slabs_a_gather_launch_writes_after_the_routi
     a gather launch between the routing launch and GEMM1 writes them (from the caller's x in w4a16, from the decoded
     x otherwise) into the token_slabs buffer, sized for the routed rows, and GEMM1 takes that buffer as its x. w4a4
     per-token keeps the staging GEMM1 (its forward has no node to spare), and so does a build without the gather."""
+    monkeypatch.setattr(launcher, "_linked_kernels", lambda: frozenset())  # a build without the gather
     recorded, *_ = fake_forward(monkeypatch, mode, True, per_token=per_token, tile=tile, k_splits=k_splits)
     assert launcher.SLAB_GATHER not in [step.name for step in recorded if isinstance(step, Launch)]
     monkeypatch.setattr(launcher, "_linked_kernels", lambda: frozenset({launcher.SLAB_GATHER}))
