@@ -71,6 +71,7 @@ GEMM1_VARIANTS = {
 # the harness makes from GEMM1's output (a slab's rows are the tile's own rows).
 GEMM2_VARIANTS = {
     "ring_tokens_gemm2": {"ring_tokens": True},
+    "ring_tokens_gemm2_tile_fastest": {"ring_tokens": True},  # ... on the staging GEMMs' grid order (PROBES)
 }
 
 
@@ -108,6 +109,17 @@ def _probe_store_nothing(sm, row, chunk, values, valid, tokens, c):
     """No token staging stores (with the zero token_group, no activation loads either)."""
 
 
+def _tile_fastest_grid(tiles, n_tiles, k_split, c):
+    """Every GEMM on the routing-tile-fastest grid: a GEMM2's slabs (the FC2 input, 17/16 of its bytes, a few MB)
+    may stay in L2 without the weight-tile-fastest order the GEMM1 slabs (8x x at top_k 8) needed."""
+    return (tiles, n_tiles, k_split)
+
+
+def _tile_fastest_coords(c):
+    x, y, rank = cute.arch.block_idx()
+    return (x, y, rank)
+
+
 PROBES = {
     "probe_empty": {"accumulate": _probe_accumulate_nothing},
     "probe_neither_no_stage": {"consume_tma_step": _probe_consume_loads_only, "issue_tma_stage": _probe_issue_nothing,
@@ -116,6 +128,8 @@ PROBES = {
     "probe_no_load": {"issue_tma_stage": _probe_issue_nothing},
     "probe_no_stage": {"token_group": _probe_token_group_zero, "store_chunk": _probe_store_nothing},
     "probe_neither": {"consume_tma_step": _probe_consume_loads_only, "issue_tma_stage": _probe_issue_nothing},
+    # not a leave-one-out: the same kernels on another grid order (outputs equal the default's)
+    "ring_tokens_gemm2_tile_fastest": {"launch_grid": _tile_fastest_grid, "block_coords": _tile_fastest_coords},
 }
 
 

@@ -51,7 +51,7 @@ class HopperBackend:
     cluster share each GEMM tile's K steps; split launcher.WGMMA (0) runs that GEMM's warp-specialised wgmma kernel
     instead (128-token tile; in the quantized modes both GEMMs or neither), launcher.WGMMA_WIDE (-1) its 256-row
     weight tiles, launcher.THREE_CTAS (-2) its streaming kernel's three-CTAs-an-SM form (8- and 32-token tiles),
-    GEMM2's launcher.PERSISTENT (-4) its persistent 16-token streaming form;
+    GEMM2's launcher.PERSISTENT (-4) its persistent 16-token streaming form (w4a4 per-token);
     (8, launcher.FUSED_DECODE, launcher.FUSED_DECODE) (-3) runs the whole small-T forward as one launch."""
 
     name: str = "sm90"
@@ -157,18 +157,14 @@ class HopperBackend:
                                           aux_stream=problem.localized_memset_stream or problem.aux_stream)
         T, K = problem.num_tokens, problem.top_k
         wgmma = launcher.is_wgmma(split1)
-        slabs = launcher.reads_slabs(problem.kernel_mode, tile, split1)
-        if workspace is not None and tile in workspace.tile_sizes:
-            routing = workspace.routing_buffers(T, tile)
-            rows = routing.permuted_to_expanded.numel()
-            buffers = workspace.kernel_buffers.view(problem.quant_mode, rows, problem.intermediate_size, T, K,
-                                                    problem.hidden_size, wgmma, rows if slabs else 0)
-        else:
-            routing = launcher.allocate_routing(T, K, problem.num_local_experts, tile, problem.device)
-            rows = routing.permuted_to_expanded.numel()
-            buffers = launcher.KernelBuffers.allocate(problem.quant_mode, rows, problem.intermediate_size, T, K,
-                                                      problem.hidden_size, problem.device, wgmma,
-                                                      rows if slabs else 0)
+        pooled = workspace is not None and tile in workspace.tile_sizes
+        routing = (workspace.routing_buffers(T, tile) if pooled
+                   else launcher.allocate_routing(T, K, problem.num_local_experts, tile, problem.device))
+        rows = routing.permuted_to_expanded.numel()
+        sizes = (problem.quant_mode, rows, problem.intermediate_size, T, K, problem.hidden_size)
+        slab_rows = launcher.slab_rows(problem.kernel_mode, tile, split1, rows)
+        buffers = (workspace.kernel_buffers.view(*sizes, wgmma, slab_rows) if pooled
+                   else launcher.KernelBuffers.allocate(*sizes, problem.device, wgmma, slab_rows))
         memset_stream = problem.localized_memset_stream if problem.shards is not None else problem.aux_stream
         aux = streams.fork_join([memset_stream]) if memset_stream is not None else None
         shard_streams = streams.fork_join(problem.localized_streams) if problem.localized_streams else None

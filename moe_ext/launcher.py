@@ -363,6 +363,9 @@ SLAB_MAX_TOKENS = 512
 
 
 SLAB_GATHER = "moe_token_slabs"
+# The name part of a GEMM2 that reads the FC2 input as token slabs (its GEMM1s store them so: no launch more). The
+# persistent GEMM2 stages row-major rows, so it is built for w4a4_pt alone, whose per-token quantizer reads them so.
+FC2_SLABS = "_slabs"
 
 
 def reads_slabs(mode: str, tile: int, split1: int) -> bool:
@@ -373,9 +376,16 @@ def reads_slabs(mode: str, tile: int, split1: int) -> bool:
             and has_kernel(SLAB_GATHER))
 
 
+def slab_rows(mode: str, tile: int, split1: int, rows: int) -> int:
+    """The routed rows whose token slabs a forward's buffers hold: all `rows` for a slab GEMM1, else none."""
+    return rows if reads_slabs(mode, tile, split1) else 0
+
+
 def slab_elements(rows: int, hidden: int) -> int:
     """bf16 elements of the token slabs of `rows` routed rows (whole routing tiles)."""
     return slab_bytes(rows, hidden) // 2
+
+
 # The GEMM2 each kernel mode runs: w4a4's FC2 input arrives decoded and its weights are NVFP4, as w4a16's.
 _GEMM2_MODE = {"w4a4": "w4a16"}
 X_FORMAT = {"w4a4": "nvfp4", "w4a4_pt": "nvfp4", "w4a8": "mxfp8"}
@@ -395,7 +405,19 @@ def gemm1_kernel(mode: str, kind: str, tile: int, split: int) -> str:
 
 
 def gemm2_kernel(mode: str, tile: int, split: int) -> str:
-    return f"moe_gemm2_{_GEMM2_MODE.get(mode, mode)}_t{tile}" + _kernel_suffix(split)
+    """The linked GEMM2 of this form: on SLAB_TILES' streaming forms the slab one (FC2_SLABS) where the build has
+    it."""
+    name = f"moe_gemm2_{_GEMM2_MODE.get(mode, mode)}_t{tile}"
+    if (tile in SLAB_TILES and split in K_SPLITS + (THREE_CTAS,)
+            and has_kernel(name + FC2_SLABS + _kernel_suffix(split))):
+        name += FC2_SLABS
+    return name + _kernel_suffix(split)
+
+
+def fc2_slabs(mode: str, tile: int) -> bool:
+    """Whether the FC2 input of this mode's `tile`-token streaming forward is token slabs (moe_ext/slabs.py, K = I):
+    where the build links slab GEMM2s, which build.py builds with the GEMM1s that store them (gemm2.reads_slabs)."""
+    return FC2_SLABS in gemm2_kernel(mode, tile, 1)
 
 
 def wide_weights(mode: str, kind: str, n1: int, hidden: int) -> tuple[bool, bool]:
@@ -611,7 +633,7 @@ class KernelBuffers:
         return dict(
             x_decoded=tokens * hidden if quant_mode != "w4a16" or wgmma else 0,
             token_slabs=slab_elements(slab_rows, hidden),
-            intermediate_bf16=rows * inter,
+            intermediate_bf16=slab_elements(rows, inter),  # either layout fits (fc2_slabs: 17/16 of row-major)
             row_scale=rows if quant_mode == "w4a4" else 0,
             slot_output=tokens * top_k * hidden,
             decode_partials=decode_partial_floats(min(tokens * top_k, DECODE_MAX_PAIRS), 2 * inter, hidden)
@@ -836,7 +858,8 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
     if slabs and T > SLAB_MAX_TOKENS:
         raise ValueError(f"k_splits {k_splits}: the {routing.tile_size}-token GEMM1 reads token slabs, offered up to "
                          f"{SLAB_MAX_TOKENS} tokens, not {T}")
-    sizes = KernelBuffers.sizes(problem.quant_mode, rows, I, T, K, H, wgmma, rows if slabs else 0)
+    sizes = KernelBuffers.sizes(problem.quant_mode, rows, I, T, K, H, wgmma,
+                                slab_rows(mode, routing.tile_size, k_splits[0], rows))
     buf = {name: _check(name, getattr(buffers, name)[:n], getattr(buffers, name).dtype, device, n, 16) if n
            else dummy[getattr(buffers, name).dtype] for name, n in sizes.items()}
     decode = None

@@ -156,7 +156,7 @@ class CuteDslMoEWrapper:
         """Tactics `run(..., tactic=)` accepts: on Hopper (routing tile, GEMM1 K split, GEMM2 K split; a split of
         launcher.WGMMA runs that GEMM's wgmma kernel, launcher.WGMMA_WIDE its 256-row weight tiles,
         launcher.THREE_CTAS its three-CTAs-an-SM streaming form, GEMM2's launcher.PERSISTENT its persistent 16-token
-        streaming form; (8, FUSED_DECODE, FUSED_DECODE) the one-launch forward,
+        streaming form (w4a4 per-token); (8, FUSED_DECODE, FUSED_DECODE) the one-launch forward,
         for calls of at most launcher.DECODE_MAX_PAIRS (token, expert) pairs), on the reference path (routing tile,)."""
         if not self.on_hopper:
             return [(t,) for t in self.routing_tiles]

@@ -23,8 +23,6 @@
 #              --decode-form: rule, fc2, partials, shallow_ring, split_gemm2) at $DECODE_SHAPES x $DECODE_TOKENS,
 #              $AB_ROUNDS interleaved rounds
 #   ab_tactics: per-kernel profile of each tactic of $AB_TACTICS ("default" or "tile,split1,split2") at $AB_POINTS
-#   persistent_gemm2: the persistent 16-token GEMM2's test, then per-kernel profiles and whole forwards of (16,1,1)
-#              and (16,1,PERSISTENT), $AB_ROUNDS interleaved rounds, at $PERSISTENT_POINTS
 #   sweep:     the issue-4 sweep (w4a16, fused, moe_ext + both peers) into $OUT/h200.json (carry triton_kernels);
 #              $SWEEP_TOKENS and $SWEEP_SHAPES narrow it
 #   prefill:   per-kernel profile of the default tactic at T=4096 on five shapes (the wgmma GEMMs)
@@ -257,18 +255,6 @@ elif [ "$PART" = launch_cost ]; then  # no launcher, no CuTe-DSL: nvcc and the d
   step launch_cost 120 bash -c "nvcc -O2 -std=c++17 -arch=sm_90a -o '$LOG/graph_launch_cost' \
     benchmarks/graph_launch_cost.cu && '$LOG/graph_launch_cost'"
   cp "$LOG/launch_cost.log" "$OUT/graph_launch_cost.txt"
-elif [ "$PART" = persistent_gemm2 ]; then  # GEMM2 unsplit (16,1,1) against launcher.PERSISTENT (16,1,-4)
-  tests_step persistent_test 120 tests/test_hopper_kernels.py -k persistent_gemm2
-  for round in $(seq "${AB_ROUNDS:-2}"); do
-    for tactic in 16,1,1 16,1,-4; do
-      name="persistent_${tactic//,/_}_r$round"
-      step "profile_$name" 120 python3 benchmarks/profile_kernels.py --tactic $tactic --fused \
-        --points "${PERSISTENT_POINTS:-qwen3-30b-a3b:64,deepseek-v3:256,gpt-oss-120b:256,deepseek-v3-ep8:256}"
-      step "bench_$name" 150 python3 -m moe_ext.bench --modes w4a16 --finalize fused --impls moe_ext --iters 20 \
-        --max-seconds-per-point 1.0 --tactic $tactic --tokens 64,256 \
-        --shapes qwen3-30b-a3b,deepseek-v3,gpt-oss-120b,deepseek-v3-ep8 --out "$OUT/persistent_gemm2_$name.json"
-    done
-  done
 elif [ "$PART" = ab_tactics ]; then  # AB_TACTICS: tactics ("default": the heuristic's), profiled at $AB_POINTS
   profile_tactics prefill_tactic_ ""
 elif [ "$PART" = sweep ]; then  # issue 4's sweep, w4a16 fused, all three impls (carry .offline/triton_kernels_v3.6)

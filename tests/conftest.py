@@ -201,8 +201,8 @@ def forward_in_fresh_buffers(problem, tile: int, k_splits: tuple, intermediate_f
     routing = launcher.allocate_routing(T, K, problem.num_local_experts, tile, problem.device)
     rows = routing.permuted_to_expanded.numel()
     buffers = launcher.KernelBuffers.allocate(problem.quant_mode, rows, I, T, K, H, problem.device,
-                                              slab_rows=rows if launcher.reads_slabs(problem.kernel_mode, tile,
-                                                                                     k_splits[0]) else 0)
+                                              slab_rows=launcher.slab_rows(problem.kernel_mode, tile, k_splits[0],
+                                                                           rows))
     if intermediate_fill is not None:
         buffers.intermediate_bf16.fill_(intermediate_fill)
     out = torch.empty(T, H, dtype=torch.bfloat16, device=problem.device)

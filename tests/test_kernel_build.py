@@ -26,12 +26,16 @@ def test_every_shipped_kernel_compiles_for_sm90a(built_kernels):
     for tokens in (8, 16, 32, 64, 128):
         gemms += [f"moe_gemm1_{mode}_{kind}_t{tokens}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
-        gemms += [f"moe_gemm2_{mode}_t{tokens}" for mode in ("w4a16", "w4a4_pt", "w4a8")]
+        slabs = "_slabs" if tokens in (16, 32) else ""  # the FC2 input as token slabs, but in w4a4_pt
+        gemms += [f"moe_gemm2_{mode}_t{tokens}" + ("" if mode == "w4a4_pt" else slabs)
+                  for mode in ("w4a16", "w4a4_pt", "w4a8")]
     for tokens in (8, 32):
         gemms += [f"moe_gemm1_{mode}_{kind}_t{tokens}_3cta" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
                   for kind in ("swiglu", "situ", "geglu_tanh", "relu2") if not (mode == "w4a8" and kind == "situ")]
-        gemms += [f"moe_gemm2_{mode}_t{tokens}_3cta" for mode in ("w4a16", "w4a4_pt", "w4a8")]
-    gemms.append("moe_gemm2_w4a16_t16_persistent")  # launcher.PERSISTENT
+        slabs = "_slabs" if tokens == 32 else ""
+        gemms += [f"moe_gemm2_{mode}_t{tokens}" + ("" if mode == "w4a4_pt" else slabs) + "_3cta"
+                  for mode in ("w4a16", "w4a4_pt", "w4a8")]
+    gemms.append("moe_gemm2_w4a4_pt_t16_persistent")  # launcher.PERSISTENT
     for suffix in ("_t32_wgmma", "_t32_wgmma_n256", "_t64_wgmma", "_t64_wgmma_n256", "_t128_wgmma", "_t256_wgmma",
                    "_t128_wgmma_n256", "_t144_wgmma"):
         gemms += [f"moe_gemm1_{mode}_{kind}{suffix}" for mode in ("w4a16", "w4a4", "w4a4_pt", "w4a8")
@@ -121,6 +125,30 @@ def test_launcher_knows_the_compiled_token_tiles(monkeypatch):
                 assert launcher.reads_slabs(mode, tile, launcher.THREE_CTAS) == three, (mode, tile)
     assert (*launcher.NARROW_WGMMA_TILES, launcher.WGMMA_TILE, launcher.PADDED_WGMMA_TILE,
             launcher.WIDE_WGMMA_TILE) == wgmma_mainloop.TILES
+
+
+def test_a_build_pairs_the_fc2_slab_writers_with_their_readers(monkeypatch):
+    """By the names a build links, the launcher knows which streaming forwards pass the FC2 input as token slabs:
+    exactly where that build's GEMM1 stores them and its GEMM2 (every streaming form of it) reads them. The
+    persistent GEMM2 stages row-major rows: it is linked only where nothing stores slabs (w4a4_pt)."""
+    from moe_ext import launcher
+    from moe_ext.kernels.sm90 import build, gemm1, gemm2, stream
+
+    names = frozenset(name for name, _ in build.specialisations())
+    monkeypatch.setattr(launcher, "_linked_kernels", lambda: names)
+    for mode in gemm1.MODES:
+        for tile in stream.TOKEN_TILES:
+            slabs = gemm1.reads_slabs(mode, tile)
+            assert launcher.fc2_slabs(mode, tile) == slabs == gemm2.reads_slabs(launcher._GEMM2_MODE.get(mode, mode),
+                                                                                 tile), (mode, tile)
+            forms = (1, launcher.THREE_CTAS) if tile in stream.THREE_CTA_TILES else (1,)
+            for split in forms:
+                name = launcher.gemm2_kernel(mode, tile, split)
+                assert name in names and (launcher.FC2_SLABS in name) == slabs, (mode, tile, split)
+                assert gemm2.config_for(launcher._GEMM2_MODE.get(mode, mode), tile, split != 1).ring_tokens == slabs
+        persistent = launcher.gemm2_kernel(mode, launcher.PERSISTENT_TILE, launcher.PERSISTENT)
+        assert (persistent in names) == (not gemm1.reads_slabs(mode, launcher.PERSISTENT_TILE)
+                                         and mode == "w4a4_pt"), mode
 
 
 def test_launcher_table_generation_from_a_header(tmp_path):
@@ -393,9 +421,9 @@ def test_three_cta_streaming_gemms_do_not_spill_in_their_mainloop(built_kernels,
     with pytest.raises(ValueError, match="three-CTA form"):
         stream.config_for(64, 1, three_ctas=True)
     listed = (built_kernels / "kernels.txt").read_text().split()
-    names = [n for n in listed if n.endswith("_t16") or n.endswith("_t8_3cta") or n.endswith("_t32_3cta")]
+    names = [n for n in listed if re.search(r"_t16(_slabs)?$|_t8_3cta$|_t32(_slabs)?_3cta$", n)]
     assert len(names) == 3 * 18  # each: 15 GEMM1 (modes x activations) + 3 GEMM2 (w4a4 runs w4a16's)
-    names.append("moe_gemm2_w4a16_t16_persistent")  # the 16-token form's persistent GEMM2 (persistent.py)
+    names.append("moe_gemm2_w4a4_pt_t16_persistent")  # the 16-token form's persistent GEMM2 (persistent.py)
     for name in names:
         listing = kernel_sass.sass(str(built_kernels / f"{name}.o"))
         counts = kernel_sass.opcode_counts(listing)

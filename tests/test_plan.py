@@ -287,15 +287,14 @@ def test_padded_wgmma_tile_launches_its_kernels_and_256_weight_rows_only_on_gemm
             fake_forward(monkeypatch, "w4a16", True, tile=tile, k_splits=refused)
 
 
-@pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 @pytest.mark.parametrize("split1", launcher.K_SPLITS)
-def test_persistent_gemm2_launches_its_own_object_beside_any_gemm1_split(monkeypatch, mode, split1):
-    """GEMM2's launcher.PERSISTENT runs the 16-token persistent object (w4a4's GEMM2 is w4a16's), passed K split 1
-    (it launches no clusters); GEMM1 keeps its split."""
+def test_persistent_gemm2_launches_its_own_object_beside_any_gemm1_split(monkeypatch, split1):
+    """GEMM2's launcher.PERSISTENT runs the 16-token persistent object (built for w4a4 per-token, whose FC2 input
+    is row-major), passed K split 1 (it launches no clusters); GEMM1 keeps its split."""
     P = launcher.PERSISTENT
-    _, calls, _, _ = fake_forward(monkeypatch, mode, True, tile=16, k_splits=(split1, P))
+    _, calls, _, _ = fake_forward(monkeypatch, "w4a4", True, per_token=True, tile=16, k_splits=(split1, P))
     gemms = [c for c in calls if c[0].startswith("moe_gemm")]
-    assert [c[0] for c in gemms] == [f"moe_gemm1_{mode}_swiglu_t16", "moe_gemm2_w4a16_t16_persistent"]
+    assert [c[0] for c in gemms] == ["moe_gemm1_w4a4_pt_swiglu_t16", "moe_gemm2_w4a4_pt_t16_persistent"]
     assert [c[2][-1] for c in gemms] == [split1, 1]
 
 
@@ -364,6 +363,35 @@ def test_slab_gemm1_reads_the_token_slabs_a_gather_launch_writes_after_the_routi
     else:
         assert gather.buffers[0] == launches[0].buffers[-1], "the gather reads the decoded x"
     assert len(names) <= 5
+
+
+@pytest.mark.parametrize("mode,per_token,tile,k_splits", [
+    ("w4a16", False, 16, (1, 2)), ("w4a4", False, 32, (1, launcher.THREE_CTAS)), ("w4a8", False, 16, (2, 1)),
+    ("w4a16", False, 32, (1, 1)), ("w4a4", True, 16, (1, 1))])
+def test_slab_gemm2_reads_the_fc2_input_its_gemm1_stores_as_token_slabs(monkeypatch, mode, per_token, tile,
+                                                                        k_splits):
+    """Where the build links the slab GEMM2 of a mode and tile (launcher.FC2_SLABS in its name), that GEMM2 runs,
+    reading the FC2 input GEMM1 stored as token slabs: the same buffer, sized for the slab layout, and no launch
+    between the GEMMs. w4a4 per-token keeps the row-major FC2 input its quantizer reads; a build without slab GEMM2s
+    runs the row-major ones."""
+    kernel_mode = "w4a4_pt" if per_token else mode
+    suffix = "_3cta" if k_splits[1] == launcher.THREE_CTAS else ""
+    plain = f"moe_gemm2_{'w4a16' if kernel_mode == 'w4a4' else kernel_mode}_t{tile}"
+    built = f"moe_gemm2_{'w4a8' if mode == 'w4a8' else 'w4a16'}_t{tile}_slabs"  # none for w4a4_pt
+    slab_gemm2s = {built, built + suffix}  # a build has every streaming form of it
+    for linked in (frozenset({launcher.SLAB_GATHER}), frozenset({launcher.SLAB_GATHER, *slab_gemm2s})):
+        monkeypatch.setattr(launcher, "_linked_kernels", lambda: linked)
+        slabs = len(linked) > 1 and not per_token
+        assert launcher.fc2_slabs(kernel_mode, tile) == slabs
+        recorded, *_ = fake_forward(monkeypatch, mode, True, per_token=per_token, tile=tile, k_splits=k_splits)
+        launches = [step for step in recorded if isinstance(step, Launch)]
+        names = [step.name for step in launches]
+        first = names.index(launcher.gemm1_kernel(kernel_mode, "swiglu", tile, k_splits[0]))
+        assert names[first + (2 if per_token else 1)] == plain + ("_slabs" if slabs else "") + suffix
+        gemm1, gemm2 = launches[first], launches[first + (2 if per_token else 1)]
+        assert gemm2.buffers[0] == gemm1.buffers[9], "GEMM2 reads the FC2 input GEMM1 stores"
+        rows = launcher.allocate_routing(5, 2, 8, tile, "cpu").permuted_to_expanded.numel()
+        assert gemm1.buffers[9][1] == launcher.slab_elements(rows, 256) > rows * 256
 
 
 def test_slab_gemm1_is_refused_past_the_tokens_its_slabs_are_sized_for(monkeypatch):

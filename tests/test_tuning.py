@@ -240,7 +240,7 @@ def test_persistent_gemm2_is_offered_on_16_token_tiles_to_the_tuner_only():
     from moe_ext.backends import HOPPER
 
     P = launcher.PERSISTENT
-    assert launcher.gemm2_kernel("w4a4", 16, P) == "moe_gemm2_w4a16_t16_persistent"
+    assert launcher.gemm2_kernel("w4a4_pt", 16, P) == "moe_gemm2_w4a4_pt_t16_persistent"
     tiles = launcher.TOKEN_TILES
     added = set(launcher.tactics(tiles, wgmma=True, persistent=True)) - set(launcher.tactics(tiles, wgmma=True))
     assert added == {(16, s, P) for s in launcher.K_SPLITS}

@@ -35,6 +35,10 @@ def specialisations():
 
     from . import (activations, decode_fused, fc2_quant_per_token, finalize, gemm1, gemm1_wgmma, gemm2, gemm2_wgmma,
                    routing, stream, token_slabs, wgmma_mainloop)
+    from ...launcher import FC2_SLABS, decode_kernel
+
+    def gemm2_name(mode: str, tokens: int) -> str:  # launcher.gemm2_kernel's names
+        return f"moe_gemm2_{mode}_t{tokens}" + (FC2_SLABS if gemm2.reads_slabs(mode, tokens) else "")
 
     specs = [("moe_routing", routing.compile_routing)]
     for tokens in stream.TOKEN_TILES:
@@ -43,19 +47,20 @@ def specialisations():
                 if not (mode == "w4a8" and kind == "situ"):  # SiTU is rejected for w4a8 (semantics §1.1)
                     specs.append((f"moe_gemm1_{mode}_{kind}_t{tokens}",
                                   functools.partial(gemm1.compile_gemm1, mode, kind, tokens)))
-        specs += [(f"moe_gemm2_{mode}_t{tokens}", functools.partial(gemm2.compile_gemm2, mode, tokens))
+        specs += [(gemm2_name(mode, tokens), functools.partial(gemm2.compile_gemm2, mode, tokens))
                   for mode in gemm2.MODES]
     # The three-CTAs-an-SM form of the 8- and 32-token streaming GEMMs (stream.config_for; launcher.THREE_CTAS).
     for tokens in stream.THREE_CTA_TILES:
         specs += [(f"moe_gemm1_{mode}_{kind}_t{tokens}_3cta",
                    functools.partial(gemm1.compile_gemm1, mode, kind, tokens, three_ctas=True))
                   for mode in gemm1.MODES for kind in activations.KINDS if not (mode == "w4a8" and kind == "situ")]
-        specs += [(f"moe_gemm2_{mode}_t{tokens}_3cta", functools.partial(gemm2.compile_gemm2, mode, tokens,
+        specs += [(gemm2_name(mode, tokens) + "_3cta", functools.partial(gemm2.compile_gemm2, mode, tokens,
                                                                          three_ctas=True))
                   for mode in gemm2.MODES]
-    # The persistent form of the 16-token streaming GEMM2 (persistent.py), GEMM2's tactic launcher.PERSISTENT.
-    specs.append(("moe_gemm2_w4a16_t16_persistent",
-                  functools.partial(gemm2.compile_gemm2, "w4a16", 16, persistent=True)))
+    # The persistent form of the 16-token streaming GEMM2 (persistent.py), GEMM2's tactic launcher.PERSISTENT, where
+    # its FC2 input is row-major: w4a4_pt (the other modes' 16-token GEMM1s write token slabs).
+    specs.append(("moe_gemm2_w4a4_pt_t16_persistent",
+                  functools.partial(gemm2.compile_gemm2, "w4a4_pt", 16, persistent=True)))
     # The warp-specialised wgmma GEMMs for large T (32- to 256-token routing tiles, 128- and 256-row weight tiles,
     # bf16 operands; some shapes GEMM2 only: wgmma_mainloop.GEMM2_SHAPES); the routing launches that also decode
     # quantized activations, and the per-token quantizer that writes its quantization decoded, for both GEMM
@@ -78,7 +83,6 @@ def specialisations():
               ("moe_finalize", finalize.compile_finalize)]
     # The one-launch small-T forward (w4a16, fused finalize; launcher.FUSED_DECODE), its form whose GEMM2 splits K
     # too and the forms whose GEMM1 builds the FC2 input (decode_fused.make_kernel's split_gemm2, fc2_by_gemm1).
-    from ...launcher import decode_kernel
 
     specs += [(decode_kernel(kind, split, fc2),
                functools.partial(decode_fused.compile_decode, kind, split_gemm2=split, fc2_by_gemm1=fc2))

@@ -7,7 +7,8 @@ tiles past the device-side live count exit, so the grid depends only on T. N1 is
 Token rows are gathered through permuted_to_expanded (token = expanded // top_k) straight from the bf16 x, except
 on SLAB_TILES: there `x_bf16` holds the routed rows' token slabs (token_slabs.py, launched before this kernel),
 each stage's rows one bulk copy, and the grid runs a routing tile's weight tiles next to each other (N1 / 128, max
-tiles, K split) so its slabs are read again while in L2. With the 64-row up/gate interleave, a 128-row weight tile
+tiles, K split) so its slabs are read again while in L2; there it also stores the FC2 input as token slabs (K = I),
+which the slab GEMM2 (gemm2.py) reads the same way. With the 64-row up/gate interleave, a 128-row weight tile
 yields intermediate columns [64n, 64n + 64): up in accumulator columns 0..63, gate in 64..127.
 
 The activations always arrive as bf16 `x_bf16`: in w4a4 / w4a8 the routing launch decoded them exactly (routing.py),
@@ -41,6 +42,8 @@ SLAB_TILES = (16, 32)
 
 
 def reads_slabs(mode: str, tokens: int) -> bool:
+    """Whether this GEMM1 reads its tokens as token slabs, and (its GEMM2 being gemm2.reads_slabs then) writes the
+    FC2 input as token slabs too."""
     return tokens in SLAB_TILES and mode != "w4a4_pt"
 
 
@@ -54,9 +57,11 @@ def config_for(mode: str, tokens: int, three_ctas: bool = False) -> streaming.St
 EPILOGUE_GROUP = {"w4a16": 8, "w4a4": 16, "w4a4_pt": 8, "w4a8": 32}
 
 
-def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig | None = None):
+def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig | None = None,
+                fc2_slabs: bool = False):
     """cfg: the mainloop's configuration (default config_for(mode, tokens); benchmarks/stream_variants.py times
-    others)."""
+    others). fc2_slabs: store the FC2 input as token slabs of K = inter (moe_ext/slabs.py; the routing tile's rows
+    are its own), which the slab GEMM2 copies a stage at a time, instead of row-major."""
     gated = kind != "relu2"
     b_block = 32 if mode == "w4a8" else 16
     cfg = cfg or config_for(mode, tokens)
@@ -64,10 +69,11 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
     group = EPILOGUE_GROUP[mode]
 
     def store_fc2_input(s_c, a_row, c0, row, col0, permuted_to_expanded, top_k, alpha, per_token_scale,
-                        fc2_input_scale, out_bf16, inter, params):
+                        fc2_input_scale, out_bf16, inter, params, slab_base):
         """Activation of accumulator columns c0.. (up, and gate half a tile further) of tile row a_row, stored at
-        FC2-input row `row`, column col0: bf16, or in w4a4 / w4a8 its quantization decoded. Traced inline (plain
-        Python: the mode and activation choose the code at trace time)."""
+        FC2-input row `row`, column col0: bf16, or in w4a4 / w4a8 its quantization decoded; with fc2_slabs in the
+        routing tile's slabs at `slab_base`. Traced inline (plain Python: the mode and activation choose the code at
+        trace time)."""
         s1 = alpha
         if mode == "w4a4_pt":
             s1 = s1 * per_token_scale[permuted_to_expanded[row] // top_k]
@@ -84,7 +90,12 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
             words = quantize.dequantized_mxfp8(values)
         else:
             words = [ptx.pack_bf16x2(values[2 * j], values[2 * j + 1]) for j in range(group // 2)]
-        ptx.write_words(out_bf16.iterator.toint() + (Int64(row) * Int64(inter) + Int64(col0)) * Int64(2), words)
+        if fc2_slabs:
+            for j in range(group // 8):
+                ptx.write_words(streaming.slab_chunk_address(slab_base, a_row, col0 + 8 * j, tokens),
+                                streaming.bf16x8_to_tile(words[4 * j:4 * j + 4]))
+        else:
+            ptx.write_words(out_bf16.iterator.toint() + (Int64(row) * Int64(inter) + Int64(col0)) * Int64(2), words)
 
     @cute.kernel
     def gemm1_kernel(x_bf16: cute.Tensor, per_token_scale: cute.Tensor,
@@ -124,13 +135,14 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
             width = cfg.rows // 2 if gated else cfg.rows
             per_row = width // group
             alpha = w1_alpha[expert]  # once a thread: it may take several tasks
+            slab_base = streaming.tile_slabs(out_bf16, tile, inter, 0, tokens).tile_base if fc2_slabs else None
             for m in cutlass.range_constexpr((tokens * per_row + cfg.threads - 1) // cfg.threads):
                 a_row, g = streaming.task_position(tid, m, cfg.threads, per_row)
                 row = row0 + a_row
                 if rank == 0 and a_row < tokens and row < limit:
                     store_fc2_input(s_c, a_row, g * group, row, col_offset + n_tile * width + g * group,
                                     permuted_to_expanded, top_k, alpha, per_token_scale, fc2_input_scale, out_bf16,
-                                    inter, (p0, p1, p2, p3))
+                                    inter, (p0, p1, p2, p3), slab_base)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
@@ -152,7 +164,8 @@ def make_kernel(mode: str, kind: str, tokens: int, cfg: streaming.StreamConfig |
 
 
 def compile_gemm1(mode: str, kind: str, tokens: int, options: str, three_ctas: bool = False):
-    return compile_launch(make_kernel(mode, kind, tokens, config_for(mode, tokens, three_ctas)), options)
+    return compile_launch(make_kernel(mode, kind, tokens, config_for(mode, tokens, three_ctas),
+                                      fc2_slabs=reads_slabs(mode, tokens)), options)
 
 
 def compile_launch(launch, options: str, stream=None):

@@ -10,11 +10,14 @@ Each valid permuted row p (expanded index s = t*K + k) forms y = bf16(scale * ac
 pts2 is the per-token FC2 row scale (w4a4_pt) or 1.
 
 The FC2 input is bf16 in every mode: in w4a4 / w4a8 GEMM1 (or, w4a4_pt, the per-token kernel) stored its
-quantization decoded, so w4a4 runs the w4a16 kernel. Modes: w2 NVFP4 (w4a16), NVFP4 with per-row FC2 scales
-(w4a4_pt), MXFP4 (w4a8). The arguments are gemm2_wgmma's (the launcher picks either by name).
+quantization decoded, so w4a4 runs the w4a16 kernel. On gemm1.SLAB_TILES GEMM1 stores it as token slabs
+(moe_ext/slabs.py, K = I) but in w4a4_pt (the per-token kernel reads it row-major): there this kernel copies a
+step's live rows in one bulk copy a stage (reads_slabs; the weight-tile-fastest grid of stream.launch_grid).
+Modes: w2 NVFP4 (w4a16), NVFP4 with per-row FC2 scales (w4a4_pt), MXFP4 (w4a8). The arguments are gemm2_wgmma's (the launcher picks either by name).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import cuda.bindings.driver as cuda
@@ -26,8 +29,19 @@ from cutlass.experimental.cuda import TensorMap
 from . import persistent as persistent_loop
 from . import ptx
 from . import stream as streaming
+from .gemm1 import SLAB_TILES
 
 MODES = ("w4a16", "w4a4_pt", "w4a8")  # w4a4 runs the w4a16 kernel
+
+
+def reads_slabs(mode: str, tokens: int) -> bool:
+    """Whether this GEMM2 reads the FC2 input as token slabs: where its GEMM1s write them (gemm1.reads_slabs)."""
+    return tokens in SLAB_TILES and mode != "w4a4_pt"
+
+
+def config_for(mode: str, tokens: int, three_ctas: bool = False) -> streaming.StreamConfig:
+    """The mainloop of this GEMM2: stream.config_for's, reading token slabs where reads_slabs."""
+    return replace(streaming.config_for(tokens, 2, three_ctas), ring_tokens=reads_slabs(mode, tokens))
 
 
 @cute.jit
@@ -100,7 +114,7 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
     """cfg: as in gemm1.make_kernel. persistent: one CTA a slot, items (routing tile, weight-row tile) by stride
     through persistent.stream_items (the launch's K split is ignored: none)."""
     b_block = 32 if mode == "w4a8" else 16
-    cfg = cfg or streaming.config_for(tokens, 2)
+    cfg = cfg or config_for(mode, tokens)
     per_token = mode == "w4a4_pt"
     assert not (persistent and cfg.ring_tokens), "the persistent mainloop stages its tokens"
 
@@ -168,7 +182,8 @@ def make_kernel(mode: str, tokens: int, cfg: streaming.StreamConfig | None = Non
 
 
 def compile_gemm2(mode: str, tokens: int, options: str, three_ctas: bool = False, persistent: bool = False):
-    return compile_launch(make_kernel(mode, tokens, streaming.config_for(tokens, 2, three_ctas), persistent), options)
+    cfg = streaming.config_for(tokens, 2, three_ctas) if persistent else config_for(mode, tokens, three_ctas)
+    return compile_launch(make_kernel(mode, tokens, cfg, persistent), options)
 
 
 def compile_launch(launch, options: str, stream=None):

@@ -487,6 +487,14 @@ def tile_slabs(matrix: cute.Tensor, tile, k_extent, live_rows, tokens: int) -> T
     return TokenSlabs(matrix.iterator.toint() + slab, live_rows)
 
 
+def slab_chunk_address(tile_base, row, k, tokens) -> Int64:
+    """Global byte address of the 8 values at K = k (a multiple of 8) of row `row` of a routing tile of `tokens`
+    rows whose step-0 slab starts at `tile_base` (TokenSlabs.tile_base). A writer stores them bf16x8_to_tile'd."""
+    step = k // StreamConfig.k_step
+    chunk = (k % StreamConfig.k_step) // 8
+    return tile_base + (Int64(step) * Int64(tokens) + Int64(row)) * RING_PITCH + Int64(chunk_position(chunk) * 16)
+
+
 def launch_grid(tiles, n_tiles, k_split, c: StreamConfig) -> tuple:
     """A streaming GEMM's grid over (routing tile, weight tile, K range). A ring_tokens GEMM runs a routing tile's
     weight tiles next to each other (weight tile fastest), so its token slabs (x copied once a routed row: 8x x's

@@ -37,10 +37,8 @@ def token_slabs_kernel(x_bf16: cute.Tensor, permuted_to_expanded: cute.Tensor, t
                 token = permuted_to_expanded[p] // top_k
                 src = x_bf16.iterator.toint() + (Int64(token) * Int64(hidden) + Int64(k)) * Int64(2)
                 words = ptx.ld_global_v4(src) + ptx.ld_global_v4(src + 16)
-                step, chunk = k // streaming.StreamConfig.k_step, (k % streaming.StreamConfig.k_step) // 8
-                row = Int64(m) * Int64(hidden // streaming.StreamConfig.k_step) + Int64(step)
-                dst = (slabs.iterator.toint() + (row * Int64(tile) + Int64(p - m * tile)) * streaming.RING_PITCH
-                       + Int64(streaming.chunk_position(chunk) * 16))
+                dst = streaming.slab_chunk_address(streaming.tile_slabs(slabs, m, hidden, 0, tile).tile_base,
+                                                   p - m * tile, k, tile)
                 ptx.write_words(dst, streaming.bf16x8_to_tile(words[:4]) + streaming.bf16x8_to_tile(words[4:]))
     cute.arch.griddepcontrol_launch_dependents()
 
