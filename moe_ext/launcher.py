@@ -372,8 +372,12 @@ def reads_slabs(mode: str, tile: int, split1: int) -> bool:
     """Whether this GEMM1 (kernel mode, routing tile, GEMM1 split) is a slab GEMM1: a streaming form on SLAB_TILES
     of a build that links the gather. build.py builds the gather exactly where it builds the slab GEMM1s, so a build
     without it (an older one, the base of an A/B) runs its staging GEMM1s on these tiles."""
-    return (mode != "w4a4_pt" and tile in SLAB_TILES and split1 in K_SPLITS + (THREE_CTAS,)
-            and has_kernel(SLAB_GATHER))
+    return mode != "w4a4_pt" and _slab_form(tile, split1) and has_kernel(SLAB_GATHER)
+
+
+def _slab_form(tile: int, split: int) -> bool:
+    """A streaming form (a K split or THREE_CTAS) on SLAB_TILES: the forms built to read token slabs."""
+    return tile in SLAB_TILES and split in K_SPLITS + (THREE_CTAS,)
 
 
 def slab_rows(mode: str, tile: int, split1: int, rows: int) -> int:
@@ -408,8 +412,7 @@ def gemm2_kernel(mode: str, tile: int, split: int) -> str:
     """The linked GEMM2 of this form: on SLAB_TILES' streaming forms the slab one (FC2_SLABS) where the build has
     it."""
     name = f"moe_gemm2_{_GEMM2_MODE.get(mode, mode)}_t{tile}"
-    if (tile in SLAB_TILES and split in K_SPLITS + (THREE_CTAS,)
-            and has_kernel(name + FC2_SLABS + _kernel_suffix(split))):
+    if _slab_form(tile, split) and has_kernel(name + FC2_SLABS + _kernel_suffix(split)):
         name += FC2_SLABS
     return name + _kernel_suffix(split)
 

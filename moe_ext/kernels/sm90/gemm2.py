@@ -29,14 +29,10 @@ from cutlass.experimental.cuda import TensorMap
 from . import persistent as persistent_loop
 from . import ptx
 from . import stream as streaming
-from .gemm1 import SLAB_TILES
+# Whether this GEMM2 reads the FC2 input as token slabs: exactly where its GEMM1s write them.
+from .gemm1 import reads_slabs
 
 MODES = ("w4a16", "w4a4_pt", "w4a8")  # w4a4 runs the w4a16 kernel
-
-
-def reads_slabs(mode: str, tokens: int) -> bool:
-    """Whether this GEMM2 reads the FC2 input as token slabs: where its GEMM1s write them (gemm1.reads_slabs)."""
-    return tokens in SLAB_TILES and mode != "w4a4_pt"
 
 
 def config_for(mode: str, tokens: int, three_ctas: bool = False) -> streaming.StreamConfig:
