@@ -569,6 +569,7 @@ def load_benchmark(name: str):
 
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass's string annotations are resolved through its module
     spec.loader.exec_module(module)
     return module
 
@@ -738,3 +739,66 @@ def test_tactic_table_times_every_valid_tactic_cold():
     assert set(record["us"]) == {table.tactic_key(t) for t in wrapper.get_valid_tactics()}
     assert all(0 < us < 1e4 for us in record["us"].values())
     assert table.tactic_key(record["heuristic"]) in record["us"] and record["local_pairs"] == 64
+
+
+def _sweep_record(shape: str, t: int, impl: str, us: float, mode: str = "w4a16", **extra) -> dict:
+    return dict(shape=shape, T=t, impl=impl, quant_mode=mode, finalize="fused" if impl == "moe_ext" else "peer",
+                us=us, **extra)
+
+
+def test_targets_are_read_off_the_sweep_each_point_with_its_gap():
+    """benchmarks/check_targets.py: each issue-4 target over the points it covers. The triton_kernels check carries
+    the bound (the peer's time over moe_ext's roofline time), and points no target covers give no check."""
+    targets = load_benchmark("check_targets")
+    ours = dict(roofline_fraction=0.75, roofline_us=60.0, tflops=10.0)
+    records = [
+        _sweep_record("gpt-oss-120b", 8, "moe_ext", 100.0, **ours),
+        _sweep_record("gpt-oss-120b", 8, "torch_grouped_mm_bf16", 290.0),  # 2.9x: under 3x at T <= 64
+        _sweep_record("gpt-oss-120b", 8, "triton_kernels_mxfp4", 140.0),  # 1.4x, 2.33x at the roofline
+        _sweep_record("gpt-oss-120b", 8, "moe_ext", 50.0, mode="w4a4", **ours),  # not w4a16: not in the sweep checks
+        _sweep_record("qwen3-30b-a3b", 1, "moe_ext", 16.0, roofline_fraction=0.2, roofline_us=3.0, tflops=0.1),
+        _sweep_record("qwen3-30b-a3b", 256, "moe_ext", 100.0, roofline_fraction=0.5, roofline_us=50.0, tflops=1.0),
+        _sweep_record("qwen3-30b-a3b", 256, "torch_grouped_mm_bf16", 90.0),  # 64 < T < 1024: no composite target
+        _sweep_record("mixtral-8x7b", 4096, "moe_ext", 5000.0, roofline_fraction=0.7, roofline_us=3500.0,
+                      tflops=451.0),
+        _sweep_record("mixtral-8x7b", 4096, "torch_grouped_mm_bf16", 4900.0),  # 0.98x at T >= 1024
+    ]
+    checks = {(c.target, c.point): c for c in targets.sweep_checks(records)}
+    assert set(checks) == {("decode roofline", "gpt-oss-120b T=8"), ("vs composite", "gpt-oss-120b T=8"),
+                           ("vs triton_kernels", "gpt-oss-120b T=8"), ("Qwen3 T=1 us", "qwen3-30b-a3b T=1"),
+                           ("vs composite", "mixtral-8x7b T=4096"), ("prefill TFLOP/s", "mixtral-8x7b T=4096")}
+    assert checks["decode roofline", "gpt-oss-120b T=8"].met
+    composite = checks["vs composite", "gpt-oss-120b T=8"]
+    assert not composite.met and composite.value == pytest.approx(2.9) and composite.limit == 3.0
+    triton = checks["vs triton_kernels", "gpt-oss-120b T=8"]
+    assert triton.met and triton.value == pytest.approx(1.4) and triton.bound == pytest.approx(140 / 60)
+    assert not checks["Qwen3 T=1 us", "qwen3-30b-a3b T=1"].met
+    large = checks["vs composite", "mixtral-8x7b T=4096"]
+    assert not large.met and large.limit == 1.0
+    assert checks["prefill TFLOP/s", "mixtral-8x7b T=4096"].met
+    table = targets.format_checks(list(checks.values()))
+    assert "## vs composite: met at 0 of 2 points" in table and "1.400 (limit 1.3, 2.33 at the roofline)" in table
+
+
+def test_quant_and_host_targets():
+    """w4a4 / w4a8 within 15% of w4a16 at the same point; an eager T=1 call within 30 µs in at most 5 kernel nodes."""
+    targets = load_benchmark("check_targets")
+    quant = [_sweep_record("qwen3-30b-a3b", 256, "moe_ext", 100.0), _sweep_record("qwen3-30b-a3b", 256, "moe_ext",
+                                                                                  115.0, mode="w4a4"),
+             _sweep_record("qwen3-30b-a3b", 256, "moe_ext", 116.0, mode="w4a8"),
+             _sweep_record("qwen3-30b-a3b", 1, "moe_ext", 50.0, mode="w4a8")]  # no w4a16 at T=1: no check
+    checks = targets.quant_checks(quant)
+    assert [(c.target, c.met) for c in checks] == [("w4a4 / w4a16 time", True), ("w4a8 / w4a16 time", False)]
+    host = [dict(shape="qwen3-30b-a3b", T=1, quant_mode="w4a16", finalize="fused", host_us=31.0, kernel_nodes=5)]
+    assert [(c.target, c.met) for c in targets.host_checks(host)] == [("eager host us", False), ("kernel nodes", True)]
+
+
+def test_targets_script_reads_the_committed_sweep(capsys):
+    """The command README gives runs on the committed files and names every target it found points for."""
+    targets = load_benchmark("check_targets")
+    assert targets.main(["--sweep", str(ROOT / "benchmarks/results/h200.json"),
+                         "--host", str(ROOT / "benchmarks/results/h200_host_overhead.json")]) == 0
+    out = capsys.readouterr().out
+    for target in ("decode roofline", "vs composite", "vs triton_kernels", "prefill TFLOP/s", "Qwen3 T=1 us",
+                   "eager host us", "kernel nodes"):
+        assert f"## {target}: met at" in out
