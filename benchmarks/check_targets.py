@@ -1,7 +1,7 @@
 """Issue 4's targets read off benchmark records: every point each target covers, its value, met or not.
 
     python3 benchmarks/check_targets.py [--sweep benchmarks/results/h200.json]
-                                        [--quant FILE] [--host benchmarks/results/h200_host_overhead.json]
+                                        [--quant FILE ...] [--host benchmarks/results/h200_host_overhead.json]
 
 --sweep: `python -m moe_ext.bench` records (w4a16, fused finalize, moe_ext and the peers on the same routing);
 --quant: records holding w4a16, w4a4 and w4a8 of moe_ext at the same points (the quant_modes part of
@@ -127,14 +127,16 @@ def format_checks(checks: list[Check]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", default="benchmarks/results/h200.json")
-    parser.add_argument("--quant", help="records with w4a16, w4a4 and w4a8 at the same points")
+    parser.add_argument("--quant", nargs="*", default=[], help="files of records with w4a16, w4a4 and w4a8 at the "
+                                                                "same points (points compare within a file)")
     parser.add_argument("--host", default="benchmarks/results/h200_host_overhead.json")
     args = parser.parse_args(argv)
 
     def load(path: str | None) -> list[dict]:
         return json.loads(Path(path).read_text()) if path else []
 
-    checks = sweep_checks(load(args.sweep)) + quant_checks(load(args.quant)) + host_checks(load(args.host))
+    checks = sweep_checks(load(args.sweep)) + [c for path in args.quant for c in quant_checks(load(path))]
+    checks += host_checks(load(args.host))
     print(format_checks(checks))
     return 0
 

@@ -796,9 +796,11 @@ def test_quant_and_host_targets():
 def test_targets_script_reads_the_committed_sweep(capsys):
     """The command README gives runs on the committed files and names every target it found points for."""
     targets = load_benchmark("check_targets")
-    assert targets.main(["--sweep", str(ROOT / "benchmarks/results/h200.json"),
-                         "--host", str(ROOT / "benchmarks/results/h200_host_overhead.json")]) == 0
+    results = ROOT / "benchmarks/results"
+    assert targets.main(["--sweep", str(results / "h200.json"), "--host", str(results / "h200_host_overhead.json"),
+                         "--quant", str(results / "h100_session53_quant_modes.json"),
+                         str(results / "h100_session53_quant_t1_tuned.json")]) == 0
     out = capsys.readouterr().out
     for target in ("decode roofline", "vs composite", "vs triton_kernels", "prefill TFLOP/s", "Qwen3 T=1 us",
-                   "eager host us", "kernel nodes"):
+                   "eager host us", "kernel nodes", "w4a4 / w4a16 time", "w4a8 / w4a16 time"):
         assert f"## {target}: met at" in out
