@@ -49,13 +49,13 @@ def _point(r: dict) -> str:
     return f"{r['shape']} T={r['T']}"
 
 
-def _measured(records: list[dict], impl: str, mode: str | None = "w4a16") -> dict:
-    """(shape, T) -> record of `impl` (fused finalize where moe_ext; one quant mode where given)."""
+def _measured(records: list[dict], impl: str, mode: str = "w4a16") -> dict:
+    """(shape, T) -> record of `impl` (where moe_ext: fused finalize in quant mode `mode`)."""
     out = {}
     for r in records:
         if "us" not in r or r["impl"] != impl:
             continue
-        if impl == "moe_ext" and (r["finalize"] != "fused" or (mode is not None and r["quant_mode"] != mode)):
+        if impl == "moe_ext" and (r["finalize"] != "fused" or r["quant_mode"] != mode):
             continue
         out[r["shape"], r["T"]] = r
     return out
@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="benchmarks/results/h200_host_overhead.json")
     args = parser.parse_args(argv)
 
-    def load(path: str | None) -> list[dict]:
-        return json.loads(Path(path).read_text()) if path else []
+    def load(path: str) -> list[dict]:
+        return json.loads(Path(path).read_text())
 
     checks = sweep_checks(load(args.sweep)) + [c for path in args.quant for c in quant_checks(load(path))]
     checks += host_checks(load(args.host))
