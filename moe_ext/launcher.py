@@ -290,10 +290,11 @@ WIDE_WEIGHT_ROWS = 256
 # tiles, stream.config_for): it pays where a launch's CTAs fill three an SM, and loses where a few hundred run.
 THREE_CTAS = -2
 # The "split" (both GEMMs) that runs the whole forward as one cooperative launch: routing, GEMM1, GEMM2 and the fused
-# finalize (moe_ext/kernels/sm90/decode_fused.py), for w4a16 layers with fused finalize and T * top_k <=
+# finalize (moe_ext/kernels/sm90/decode_fused.py), for w4a16 / w4a4 / w4a8 layers with fused finalize and T * top_k <=
 # DECODE_MAX_PAIRS, on 8-token routing tiles.
 FUSED_DECODE = -3
 DECODE_TILE = 8
+DECODE_MODES = ("w4a16", "w4a4", "w4a8")  # decode_fused.MODES (kernel modes: w4a4 with per-token scales is not one)
 DECODE_MAX_PAIRS = 64  # decode_fused.MAX_PAIRS
 DECODE_SPLITS = 8  # decode_fused.MAX_SPLITS: GEMM1 partial tiles a weight tile may leave in the workspace
 DECODE_CTAS_PER_SM = 2  # decode_fused.CONFIG.ctas_per_sm: the cooperative grid
@@ -640,7 +641,7 @@ class KernelBuffers:
             row_scale=rows if quant_mode == "w4a4" else 0,
             slot_output=tokens * top_k * hidden,
             decode_partials=decode_partial_floats(min(tokens * top_k, DECODE_MAX_PAIRS), 2 * inter, hidden)
-            if quant_mode == "w4a16" else 0,
+            if quant_mode in DECODE_MODES else 0,
             decode_counts=decode_count_words(min(tokens * top_k, DECODE_MAX_PAIRS), 2 * inter, hidden),
         )
 
@@ -669,8 +670,9 @@ def _dummies(device: torch.device) -> dict:
             for dtype in (torch.bfloat16, torch.uint8, torch.float32)}
 
 
-def decode_kernel(kind: str, split_gemm2: bool = False, fc2_by_gemm1: bool = False, deep_ring: bool = False) -> str:
-    return (f"moe_decode_w4a16_{kind}" + ("_split2" if split_gemm2 else "") + ("_fc2" if fc2_by_gemm1 else "")
+def decode_kernel(kind: str, split_gemm2: bool = False, fc2_by_gemm1: bool = False, deep_ring: bool = False,
+                  mode: str = "w4a16") -> str:
+    return (f"moe_decode_{mode}_{kind}" + ("_split2" if split_gemm2 else "") + ("_fc2" if fc2_by_gemm1 else "")
             + (f"_ring{DECODE_DEEP_RING_STAGES}" if deep_ring else ""))
 
 
@@ -709,10 +711,11 @@ def decode_splits_gemm2(num_tokens: int, top_k: int, num_experts: int, num_local
 
 
 def offers_fused_decode(mode: str, kind: str, fused_finalize: bool, localized: bool, tiles: tuple) -> bool:
-    """Whether a layer can run FUSED_DECODE at small enough T: w4a16 with fused finalize, no localized shards, the
-    8-token routing tile among `tiles` and the kernel linked."""
-    return (mode == "w4a16" and fused_finalize and not localized and DECODE_TILE in tiles
-            and has_kernel(decode_kernel(kind)))
+    """Whether a layer can run FUSED_DECODE at small enough T: w4a16, w4a4 or w4a8 (not w4a4 with per-token scales)
+    with fused finalize, no localized shards, the 8-token routing tile among `tiles` and the kernel linked (the
+    quantized modes' in its fc2_by_gemm1 form, their only one)."""
+    return (mode in DECODE_MODES and fused_finalize and not localized and DECODE_TILE in tiles
+            and has_kernel(decode_kernel(kind, fc2_by_gemm1=mode != "w4a16", mode=mode)))
 
 
 def fits_fused_decode(problem) -> bool:
@@ -731,9 +734,10 @@ def _decode_gemm2_wants_split(problem) -> bool:
                                DECODE_CTAS_PER_SM * num_sms(problem.device))
 
 
-def _decode_split_form_taken(kind: str) -> bool:
-    """Whether FUSED_DECODE may take the split_gemm2 form: DECODE_SPLIT_GEMM2 on and the form linked."""
-    return DECODE_SPLIT_GEMM2 and has_kernel(decode_kernel(kind, split_gemm2=True))
+def _decode_split_form_taken(kind: str, mode: str) -> bool:
+    """Whether FUSED_DECODE may take the split_gemm2 form: DECODE_SPLIT_GEMM2 on and the form linked (the
+    quantized modes': its fc2_by_gemm1 form)."""
+    return DECODE_SPLIT_GEMM2 and has_kernel(decode_kernel(kind, True, mode != "w4a16", mode=mode))
 
 
 def decode_gemm1_ranges(num_tokens: int, top_k: int, num_experts: int, num_local_experts: int, hidden: int,
@@ -756,13 +760,14 @@ def decode_kernel_for(problem) -> str:
     """The FUSED_DECODE kernel form `problem` launches: the one that splits GEMM2's K where DECODE_SPLIT_GEMM2 allows
     it, decode_splits_gemm2 expects it to pay and it is linked, else the unsplit one; in its fc2_by_gemm1 form
     where decode_fc2_by_gemm1 says so and that is linked; the unsplit fc2 form on its deep ring where
-    decode_deep_ring says so and that is linked."""
-    kind = problem.activation.kind
-    split = _decode_split_form_taken(kind) and _decode_gemm2_wants_split(problem)
-    fc2 = decode_fc2_by_gemm1(problem) and has_kernel(decode_kernel(kind, split, fc2_by_gemm1=True))
+    decode_deep_ring says so and that is linked. The quantized modes have the fc2_by_gemm1 forms only."""
+    kind, mode = problem.activation.kind, problem.kernel_mode
+    split = _decode_split_form_taken(kind, mode) and _decode_gemm2_wants_split(problem)
+    fc2 = mode != "w4a16" or (decode_fc2_by_gemm1(problem)
+                              and has_kernel(decode_kernel(kind, split, fc2_by_gemm1=True)))
     deep = (fc2 and not split and decode_deep_ring(problem)
-            and has_kernel(decode_kernel(kind, fc2_by_gemm1=True, deep_ring=True)))
-    return decode_kernel(kind, split, fc2, deep)
+            and has_kernel(decode_kernel(kind, fc2_by_gemm1=True, deep_ring=True, mode=mode)))
+    return decode_kernel(kind, split, fc2, deep, mode)
 
 
 def decode_deep_ring(problem) -> bool:
@@ -777,14 +782,16 @@ def decode_deep_ring(problem) -> bool:
 def decode_gemm2_idle(problem) -> bool:
     """Whether FUSED_DECODE would run GEMM2's few long items unsplit (decode_splits_gemm2 says they idle the grid,
     but the split form is off or not linked): default_tactic then takes it only where GEMM1 fits one tile an SM."""
-    return _decode_gemm2_wants_split(problem) and not _decode_split_form_taken(problem.activation.kind)
+    return _decode_gemm2_wants_split(problem) and not _decode_split_form_taken(problem.activation.kind,
+                                                                               problem.kernel_mode)
 
 
 def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pdl: bool) -> torch.Tensor:
     """The whole forward as one cooperative launch (FUSED_DECODE; moe_ext/kernels/sm90/decode_fused.py): no
     routing maps, no memset node; the kernel zeroes `out` itself before its fused finalize adds into it."""
     if not fits_fused_decode(problem):
-        raise ValueError(f"FUSED_DECODE runs w4a16 layers with fused finalize, no localized shards and at most "
+        raise ValueError(f"FUSED_DECODE runs {'/'.join(DECODE_MODES)} layers with fused finalize, no localized shards "
+                         f"and at most "
                          f"{DECODE_MAX_PAIRS} (token, expert) pairs; got {problem.kernel_mode}, fused finalize "
                          f"{problem.use_fused_finalize}, T * top_k = {problem.num_tokens * problem.top_k}")
     device = problem.device
@@ -795,16 +802,25 @@ def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pd
     w = problem.weights
     partials = decode_partial_floats(T * K, n1, H)
     arrivals = decode_count_words(T * K, n1, H)
+    block = problem.sf_block
+    dummy = _dummies(device)
+    if problem.quant_mode == "w4a16":
+        x = [_check("x", problem.x, bf16, device, T * H, 16), dummy[u8]]
+    else:  # the codes and their linear scales, which GEMM1's staging decodes
+        x = [_check("x", problem.x.view(u8), u8, device, T * H // (2 if problem.quant_mode == "w4a4" else 1), 16),
+             _check("x_sf", problem.x_sf, u8, device, T * H // block)]
+    fc2_scale = problem.fc2_input_scale if problem.fc2_input_scale is not None else dummy[f32]
     launch(decode_kernel_for(problem), [
-        _check("x", problem.x, bf16, device, T * H, 16),
+        *x,
         _check("token_selected_experts", problem.token_selected_experts, i32, device, T * K),
         _check("token_final_scales", problem.token_final_scales, f32, device, T * K),
         _weight_view(_check("w1_weight", w.w1, u8, device, E * n1 * H // 2, 16)),
-        _check("w1_weight_sf", w.w1_sf_bytes(), u8, device, swizzled_size(E, n1, H // 16), 16),
+        _check("w1_weight_sf", w.w1_sf_bytes(), u8, device, swizzled_size(E, n1, H // block), 16),
         _check("w1_alpha", problem.w1_alpha, f32, device, E),
         _weight_view(_check("w2_weight", w.w2, u8, device, E * H * I // 2, 16)),
-        _check("w2_weight_sf", w.w2_sf_bytes(), u8, device, swizzled_size(E, H, I // 16), 16),
+        _check("w2_weight_sf", w.w2_sf_bytes(), u8, device, swizzled_size(E, H, I // block), 16),
         _check("w2_alpha", problem.w2_alpha, f32, device, E),
+        fc2_scale,
         _check("moe_output", out, bf16, device, T * H, 16),
         _check("decode_partials", buffers.decode_partials[:partials], f32, device, partials, 16),
         _check("decode_counts", buffers.decode_counts[:arrivals], i32, device, arrivals),

@@ -243,10 +243,10 @@ def kernel_fc2_input_per_token(problem, monkeypatch) -> dict:
     return dict(expanded=expanded, h=h, decoded=decoded, row_scale=row_scale, ref=ref)
 
 
-def decode_problem(T, k, E, E_local, H, I):
+def decode_problem(T, k, E, E_local, H, I, mode="w4a16"):
     """The fields of a SwiGLU MoEProblem that the launcher's FUSED_DECODE rules read."""
     import types
 
     return types.SimpleNamespace(num_tokens=T, top_k=k, num_experts=E, num_local_experts=E_local, hidden_size=H,
-                                 intermediate_size=I, n1=2 * I, device=None,
+                                 intermediate_size=I, n1=2 * I, device=None, kernel_mode=mode,
                                  activation=types.SimpleNamespace(kind="swiglu"))

@@ -1,8 +1,9 @@
 """The one-launch small-T forward (launcher.FUSED_DECODE, moe_ext/kernels/sm90/decode_fused.py) against the reference:
 its in-kernel routing (experts hit by several tokens, by one token twice, by more rows than one 8-row tile, ids
 outside the local range), its GEMM1 K ranges (odd step counts, fewer steps than ranges), the GEMM2 K ranges of
-its split form, the counts GEMM2 waits on across many launches and CUDA-graph replays. Skipped without an H100/H200 or
-without the kernels linked."""
+its split form, the counts GEMM2 waits on across many launches and CUDA-graph replays; in w4a4 and w4a8 too (x's
+codes decoded in GEMM1's staging, the FC2 input quantized in its epilogue), there bit for bit against the kernel
+chain. Skipped without an H100/H200 or without the kernels linked."""
 
 import dataclasses
 
@@ -49,7 +50,7 @@ def check(case, tactic=FUSED):
     kw = case.kwargs(use_fused_finalize=True)
     problem = build_problem(**kw)
     assert tactic in HOPPER.tactics(problem)
-    expected, gate = reference_and_gate(problem, TOLERANCE["w4a16"])
+    expected, gate = reference_and_gate(problem, TOLERANCE[case.mode])
     out = moe_ext.cute_dsl_fused_moe(**kw, moe_output=torch.full_like(expected, float("nan")), tactic=tactic)
     assert torch.isfinite(out).all(), "the kernel zeroes the output before adding into it"
     assert rel_l2(out, expected) <= gate, (rel_l2(out, expected), gate)
@@ -78,19 +79,20 @@ def test_fused_decode_k_ranges_and_expert_parallelism(shape, ep_rank):
     check(case)
 
 
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a8"])
 @pytest.mark.parametrize("act", ["swiglu", "swiglu_oai"])
 @pytest.mark.parametrize("tokens,top_k,shape", [(1, 8, (1024, 512)), (8, 8, (2048, 768)), (16, 4, (2944, 384)),
                                                 (64, 1, (1024, 256))], ids=str)
-def test_fused_decode_deep_ring_matches_reference(act, tokens, top_k, shape, fc2_form, monkeypatch):
+def test_fused_decode_deep_ring_matches_reference(mode, act, tokens, top_k, shape, fc2_form, monkeypatch):
     """The unsplit fc2 form's deep-ring variant (launcher.decode_deep_ring, forced: these problems are too small to
     reach its threshold) over GEMM1 runs shorter than its 6 stages, longer, and of an odd step count."""
     if not fc2_form:
         pytest.skip("a variant of the fc2_by_gemm1 form")
     monkeypatch.setattr(launcher, "decode_deep_ring", lambda problem: True)
     hidden, inter = shape
-    case = make_case("w4a16", act, num_tokens=tokens, top_k=top_k, num_experts=16, hidden=hidden, inter=inter,
+    case = make_case(mode, act, num_tokens=tokens, top_k=top_k, num_experts=16, hidden=hidden, inter=inter,
                      seed=tokens + hidden, invalid_fraction=0.1, weight_scale=0.02).to("cuda")
-    check_variant(launcher.decode_kernel("swiglu", fc2_by_gemm1=True, deep_ring=True), case)
+    check_variant(launcher.decode_kernel("swiglu", fc2_by_gemm1=True, deep_ring=True, mode=mode), case)
 
 
 def test_fused_decode_crowded_and_repeated_experts():
@@ -101,13 +103,18 @@ def test_fused_decode_crowded_and_repeated_experts():
     check(dataclasses.replace(case, ids=ids).to("cuda"))
 
 
-def test_fused_decode_is_the_kernel_chain_bit_for_bit():
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4", "w4a8"])
+def test_fused_decode_is_the_kernel_chain_bit_for_bit(mode, fc2_form):
     """With one expert a token the fused finalize adds each output row once into zeros, so the one-launch forward
     must equal the routing -> GEMM1 -> GEMM2 chain bit for bit where both sum the same K ranges in the same order:
     12 row tiles x 2 weight tiles are 24 GEMM1 items, which leave any grid of 48+ SMs room for the most ranges
     this problem's 8 steps allow (4, two steps each) - the chain's cluster split of 4 - and GEMM2 unsplit with one
-    K slice (the three-CTA form)."""
-    case = make_case("w4a16", "swiglu", num_tokens=64, top_k=1, num_experts=8, hidden=1024, inter=128,
+    K slice (the three-CTA form). In w4a4 / w4a8 the chain decodes x in its routing launch and quantizes the FC2
+    input one thread a scale block; the one launch decodes x in GEMM1's staging and shares a block's maximum
+    between lanes: any difference in either shows here."""
+    if mode != "w4a16" and not fc2_form:
+        pytest.skip("the quantized modes' one-launch forward has the fc2_by_gemm1 forms only")
+    case = make_case(mode, "swiglu", num_tokens=64, top_k=1, num_experts=8, hidden=1024, inter=128,
                      seed=3).to("cuda")
     fused = check(case)
     chain = moe_ext.cute_dsl_fused_moe(**case.kwargs(use_fused_finalize=True), tactic=(8, 4, launcher.THREE_CTAS))
@@ -215,15 +222,70 @@ def test_fused_decode_is_offered_only_where_it_runs(over, why):
         moe_ext.cute_dsl_fused_moe(**case.kwargs(**over), tactic=FUSED)
 
 
-def test_fused_decode_is_not_offered_for_quantized_activations():
-    case = make_case("w4a4", num_tokens=2, top_k=8, num_experts=16, hidden=256, inter=256).to("cuda")
+def test_fused_decode_is_not_offered_for_per_token_activation_scales():
+    case = make_case("w4a4_pt", num_tokens=2, top_k=8, num_experts=16, hidden=256, inter=256).to("cuda")
     assert FUSED not in HOPPER.tactics(build_problem(**case.kwargs(use_fused_finalize=True)))
+    with pytest.raises(ValueError, match="not valid"):
+        moe_ext.cute_dsl_fused_moe(**case.kwargs(use_fused_finalize=True), tactic=FUSED)
 
 
-def test_wrapper_lists_the_fused_decode_tactic_for_fused_w4a16_only():
+def test_wrapper_lists_the_fused_decode_tactic_with_fused_finalize_only():
     def tactics(**kw):
         return moe_ext.CuteDslMoEWrapper(16, 8, 256, 256, device="cuda", **kw).get_valid_tactics()
 
-    assert FUSED in tactics(quant_mode="w4a16", use_fused_finalize=True)
-    assert FUSED not in tactics(quant_mode="w4a16", use_fused_finalize=False)
-    assert FUSED not in tactics(quant_mode="w4a8", use_fused_finalize=True)
+    for mode in ("w4a16", "w4a4", "w4a8"):
+        assert FUSED in tactics(quant_mode=mode, use_fused_finalize=True), mode
+        assert FUSED not in tactics(quant_mode=mode, use_fused_finalize=False), mode
+
+
+QUANTIZED = ["w4a4", "w4a8"]
+
+
+@pytest.fixture
+def quantized_form(fc2_form):
+    """The quantized modes' tests run once: their one-launch forward has the fc2_by_gemm1 forms only (the launcher
+    takes them whatever decode_fc2_by_gemm1 says)."""
+    if not fc2_form:
+        pytest.skip("the quantized modes' one-launch forward has the fc2_by_gemm1 forms only")
+
+
+@pytest.mark.parametrize("mode", QUANTIZED)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("tokens,top_k", [(1, 8), (3, 4), (8, 8), (64, 1)])
+def test_quantized_fused_decode_matches_reference(quantized_form, mode, act, tokens, top_k):
+    """NVFP4 / MXFP8 activations decoded in GEMM1's staging and the FC2 input quantized in GEMM1's epilogue (scale
+    blocks of 16 / 32 values over 8 / 16 lanes, 4 / 8 for ReLU2), hidden 1024 split in 2-4 K ranges."""
+    if mode == "w4a8" and act.startswith("situ"):
+        pytest.skip("SiTU is rejected for w4a8 (semantics §1.1)")
+    case = make_case(mode, act, num_tokens=tokens, top_k=top_k, num_experts=16, hidden=1024, inter=512,
+                     seed=tokens * 10 + top_k, invalid_fraction=0.1).to("cuda")
+    assert launcher.decode_kernel_for(build_problem(**case.kwargs(use_fused_finalize=True))).startswith(
+        f"moe_decode_{mode}_")
+    check(case)
+
+
+@pytest.mark.parametrize("mode", QUANTIZED)
+@pytest.mark.parametrize("shape,ep_rank,tokens", [((512, 2944), (1, 0), 2), ((2944, 384), (8, 3), 5),
+                                                  ((7168, 256), (8, 0), 1), ((128, 128), (1, 0), 8)], ids=str)
+def test_quantized_fused_decode_k_ranges_and_expert_parallelism(quantized_form, split_gemm2, mode, shape, ep_rank,
+                                                                tokens):
+    """GEMM2's 23 K steps split into ranges (the split form), 23 and 56 GEMM1 steps, single steps, and EP ranks
+    whose local experts most pairs miss."""
+    hidden, inter = shape
+    ep, rank = ep_rank
+    case = make_case(mode, "swiglu", num_tokens=tokens, top_k=8, num_experts=64, hidden=hidden, inter=inter, ep=ep,
+                     rank=rank, seed=hidden + rank, weight_scale=0.02).to("cuda")
+    assert splits_gemm2(case) == (inter == 2944)
+    check(case)
+
+
+@pytest.mark.parametrize("mode", QUANTIZED)
+def test_quantized_fused_decode_in_a_captured_wrapper_replays_new_routing(quantized_form, mode):
+    """A captured w4a4 / w4a8 forward replayed with new routing and activations (new codes and scales) each step,
+    against an eager forward of the same tactic."""
+    base = make_case(mode, num_tokens=4, top_k=8, num_experts=32, hidden=512, inter=256, seed=0).to("cuda")
+    wrapper = moe_ext.CuteDslMoEWrapper(32, 8, 512, 256, use_cuda_graph=True, max_num_tokens=4, quant_mode=mode,
+                                        device="cuda", use_fused_finalize=True)
+    wrapper.run = _with_tactic(wrapper.run, FUSED)
+    for step, captured, eager in replays_with_new_inputs(wrapper, base, fused=True, steps=20, tactic=FUSED):
+        assert rel_l2(captured, eager) <= 5e-3, step

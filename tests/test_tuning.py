@@ -675,6 +675,28 @@ def test_fused_decode_builds_the_fc2_input_in_gemm1_but_where_short_k_ranges_mee
     assert not launcher.decode_kernel_for(problem).endswith("_fc2")
 
 
+@pytest.mark.parametrize("mode", ["w4a4", "w4a8"])
+def test_quantized_fused_decode_takes_the_fc2_forms_only(monkeypatch, mode):
+    """w4a4 / w4a8 have the fc2_by_gemm1 forms alone (their GEMM1 epilogue quantizes the FC2 input): they take them
+    where w4a16 takes the partials form (Qwen3-30B-A3B T=1: 2 short GEMM1 ranges), split GEMM2's K where w4a16
+    would (gpt-oss-120b T=1), take the deep ring where w4a16 would (Qwen3 T=8), and are not offered where their
+    objects are not linked or with per-token activation scales (w4a4_pt)."""
+    from moe_ext import launcher
+
+    monkeypatch.setattr(launcher, "num_sms", lambda device: 132)
+    monkeypatch.setattr(launcher, "has_kernel", lambda name: True)
+    qwen3, gpt_oss = (1, 8, 128, 128, 2048, 768), (1, 4, 128, 128, 2944, 2880)
+    assert launcher.decode_kernel_for(decode_problem(*qwen3)) == "moe_decode_w4a16_swiglu"
+    assert launcher.decode_kernel_for(decode_problem(*qwen3, mode)) == f"moe_decode_{mode}_swiglu_fc2"
+    assert launcher.decode_kernel_for(decode_problem(*gpt_oss, mode)) == f"moe_decode_{mode}_swiglu_split2_fc2"
+    assert launcher.decode_kernel_for(decode_problem(8, 8, 128, 128, 2048, 768, mode)) == (
+        f"moe_decode_{mode}_swiglu_fc2_ring{launcher.DECODE_DEEP_RING_STAGES}")
+    assert launcher.offers_fused_decode(mode, "swiglu", True, False, (8, 16))
+    assert not launcher.offers_fused_decode("w4a4_pt", "swiglu", True, False, (8, 16))
+    monkeypatch.setattr(launcher, "has_kernel", lambda name: not name.startswith(f"moe_decode_{mode}"))
+    assert not launcher.offers_fused_decode(mode, "swiglu", True, False, (8, 16))
+
+
 @pytest.mark.parametrize("point,deep", [
     ((2, 8, 128, 128, 2048, 768), False),  # Qwen3-30B-A3B T=2: 1.4 GEMM1 tiles an SM (0.35 µs slower deep)
     ((4, 8, 128, 128, 2048, 768), True),  # T=4: 2.6 (2.0% faster)

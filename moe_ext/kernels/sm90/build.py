@@ -91,6 +91,17 @@ def specialisations():
     # (launcher.DECODE_DEEP_RING).
     specs.append((decode_kernel("swiglu", fc2_by_gemm1=True, deep_ring=True),
                   functools.partial(decode_fused.compile_decode, "swiglu", fc2_by_gemm1=True, deep_ring=True)))
+    # The quantized modes' one-launch forwards: the fc2_by_gemm1 forms (their GEMM1 epilogue quantizes the FC2 input
+    # once a tile) and SwiGLU's deep-ring variant.
+    for mode in decode_fused.MODES[1:]:
+        kinds = [kind for kind in activations.KINDS if not (mode == "w4a8" and kind == "situ")]
+        specs += [(decode_kernel(kind, split, True, mode=mode),
+                   functools.partial(decode_fused.compile_decode, kind, split_gemm2=split, fc2_by_gemm1=True,
+                                     mode=mode))
+                  for kind in kinds for split in (False, True)]
+        specs.append((decode_kernel("swiglu", fc2_by_gemm1=True, deep_ring=True, mode=mode),
+                      functools.partial(decode_fused.compile_decode, "swiglu", fc2_by_gemm1=True, deep_ring=True,
+                                        mode=mode)))
     return specs
 
 

@@ -29,8 +29,15 @@ form wins everywhere (launcher.decode_fc2_by_gemm1 picks).
 
 Both GEMMs run one copy of stream.py's mainloop on 8-token tiles (a loop over the two phases: with a copy each and
 the staging unrolled the kernel was 13,184 instructions and 41% of its stalls waited for instruction fetch). The
-output is as deterministic as the fused finalize (its bf16 reduce-adds), and only w4a16 is built; the launcher
-takes this path for T * top_k <= MAX_PAIRS when the tactic says so (launcher.FUSED_DECODE).
+output is as deterministic as the fused finalize (its bf16 reduce-adds); the launcher takes this path for
+T * top_k <= MAX_PAIRS when the tactic says so (launcher.FUSED_DECODE).
+
+w4a4 and w4a8 (make_kernel's `mode`; the fc2_by_gemm1 forms) run the same kernel on NVFP4 / MXFP8 activations:
+GEMM1's staging loads x's codes and scale and decodes them into the token tile (the kernel chain decodes them in
+its routing launch, a node this form would add back), and GEMM1's epilogue quantizes the FC2 input and stores it
+decoded, as gemm1.py does. Their GEMM2 is w4a16's on MXFP4 or NVFP4 weights. Before, a quantized forward ran the
+chain at T=1 (routing, GEMM1, GEMM2 and the output's zeroing: 1.37-1.54x w4a16's time on Qwen3-30B-A3B and
+DeepSeek-V3 EP8, H100, h100_session53_quant_modes_t1_t64.json).
 """
 from __future__ import annotations
 
@@ -43,8 +50,9 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, GridConstant, Int32, Int64
 from cutlass.experimental.cuda import TensorMap
 
-from . import activations, ptx
+from . import activations, ptx, quantize
 from . import stream as streaming
+from .fp4 import ue8m0_to_f32
 
 TOKENS = 8  # rows of a routing tile: one mma.sync n8 column block
 MAX_PAIRS = 64  # T * top_k the in-kernel routing holds (shared-memory arrays of this length)
@@ -70,7 +78,11 @@ PARTIALS_CONFIG = replace(CONFIG, unroll_ring=False)
 # T = 4 / 8, DeepSeek-V3 T = 2-8, Mixtral T = 4 / 8), slower where an item's first landing sets the pace (EP8 T=4
 # 1.85 us, Qwen3 T=2 0.35): a burst of 6 stages a CTA lands later (launcher.decode_deep_ring picks).
 DEEP_CONFIG = replace(CONFIG, stages=6, unroll_ring=False)
-BLOCK = 16  # NVFP4 weight scales
+# The quant modes built: the weights' scale block (NVFP4 e4m3 per 16, MXFP4 ue8m0 per 32), and the activations' codes
+# (x_sf's scale block is the weights': semantics §1.2) and their quantized FC2 input's scale block.
+MODES = ("w4a16", "w4a4", "w4a8")
+WEIGHT_BLOCK = {"w4a16": 16, "w4a4": 16, "w4a8": 32}
+FC2_BLOCK = {"w4a4": 16, "w4a8": 32}
 # The timeline build (make_kernel's `timeline`): thread 0 of each CTA writes TIMELINE_WORDS u32 words at
 # TIMELINE[...] past the count buffer's words (launcher.decode_count_words), CTA after CTA; the caller allocates
 # them (benchmarks/decode_timeline.py). Clocks are the SM's cycle counter; the *_ns words the GPU's global timer.
@@ -238,11 +250,15 @@ def finalize(sm, plan: RoutePlan, a_row, c0, row, col, w2_alpha: cute.Tensor, ex
 
 @cute.jit
 def gemm1_epilogue(sm, plan: RoutePlan, tid, partials: cute.Tensor, barrier: cute.Tensor, pairs, n1, hidden, inter,
-                   t, n_tile, rank, ranges, row0, limit, alpha, params, kind: cutlass.Constexpr):
+                   t, n_tile, rank, ranges, row0, limit, alpha, params, fc2_input_scale: cute.Tensor,
+                   kind: cutlass.Constexpr, mode: cutlass.Constexpr):
     """A GEMM1 item's epilogue: where the weight tile's K is split, each range leaves its fp32 tile in the workspace
     and the range that arrives last sums them in rank order (the cluster split-K's order, gemm1.py); the sum gets
-    gemm1.py's epilogue (alpha, the activation, bf16) and is stored as the rows' FC2 input. Once a tile here, where
-    GEMM2's staging had summed the ranges again in each of its hidden / 128 items, one range after another."""
+    gemm1.py's epilogue (alpha, the activation, bf16 or in w4a4 / w4a8 its quantization decoded) and is stored as
+    the rows' FC2 input. Once a tile here, where GEMM2's staging had summed the ranges again in each of its
+    hidden / 128 items, one range after another. A warp writes one row, 2 (gated) or 4 values a lane, so a scale
+    block's lanes share its absolute maximum by butterfly shuffles (max is exact in any order: the same scale as
+    gemm1.py's one thread a block)."""
     cfg = CONFIG
     out_cols = cfg.rows * TOKENS // cfg.threads
     a_row = tid // (cfg.threads // TOKENS)
@@ -275,11 +291,21 @@ def gemm1_epilogue(sm, plan: RoutePlan, tid, partials: cute.Tensor, barrier: cut
         width = cfg.rows // (2 if gated else 1)  # FC2 columns of the weight tile: up and gate 64 apart
         row = tid // (width // per_thread)
         j = (tid % (width // per_thread)) * per_thread
+        assert width // per_thread == 32, "a warp a row: the shuffles below stay inside a row's warp"
         if row < limit - row0:
             values = [activations.apply(kind, sm.out[row, j + e] * alpha if gated else None,
                                         sm.out[row, width * int(gated) + j + e] * alpha, params)
                       for e in range(per_thread)]
-            words = [ptx.pack_bf16x2(values[2 * e], values[2 * e + 1]) for e in range(per_thread // 2)]
+            if cutlass.const_expr(mode == "w4a16"):
+                words = [ptx.pack_bf16x2(values[2 * e], values[2 * e + 1]) for e in range(per_thread // 2)]
+            else:
+                amax = quantize.amax_of(values)
+                for b in cutlass.range_constexpr((FC2_BLOCK[mode] // per_thread).bit_length() - 1):
+                    amax = cute.math.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << b))
+                if cutlass.const_expr(mode == "w4a4"):
+                    words = quantize.dequantized_nvfp4_per_tensor(values, fc2_input_scale[0], amax)
+                else:
+                    words = quantize.dequantized_mxfp8(values, amax)
             address = fc2_input_address(partials, pairs, n1, hidden) + (Int64(row0 + row) * Int64(inter) + Int64(
                 n_tile * width + j)) * 2
             if cutlass.const_expr(per_thread == 4):
@@ -289,7 +315,7 @@ def gemm1_epilogue(sm, plan: RoutePlan, tid, partials: cute.Tensor, barrier: cut
 
 
 def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = False, timeline: bool = False,
-                fc2_by_gemm1: bool = False, deep_ring: bool = False):
+                fc2_by_gemm1: bool = False, deep_ring: bool = False, mode: str = "w4a16"):
     """gemms: which GEMM phases run their items (a timing variant without one of them times the rest of the
     kernel: benchmarks/decode_phase_variants.py); the routing, the zeroing and the counts always run.
     split_gemm2: GEMM2 items split K too (GEMM2_MIN_STEPS). A separate build: the arrival and the sum of the
@@ -299,19 +325,28 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
     with the first chunk's loads issued ahead of the weight copies (stream.LoadsFirst); otherwise GEMM2's staging
     sums GEMM1's partials and applies the activation, in a loop after the copies (stream.TokenLoads). Neither is
     faster everywhere (launcher.decode_fc2_by_gemm1).
-    deep_ring: the unsplit fc2_by_gemm1 form's mainloop on DEEP_CONFIG's ring."""
+    deep_ring: the unsplit fc2_by_gemm1 form's mainloop on DEEP_CONFIG's ring.
+    mode: w4a16, or w4a4 / w4a8 (fc2_by_gemm1 forms only): x arrives as NVFP4 / MXFP8 codes with linear scales
+    (x_sf), which GEMM1's staging decodes to bf16 (as the routing launch's decode does for the kernel chain), and
+    GEMM1's epilogue stores the FC2 input's quantization decoded (gemm1.py's, with fc2_input_scale in w4a4)."""
     if deep_ring and (split_gemm2 or not fc2_by_gemm1):
         raise ValueError("deep_ring: only the unsplit fc2_by_gemm1 form has a deep-ring variant")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode != "w4a16" and not fc2_by_gemm1:
+        raise ValueError(f"mode {mode}: only the fc2_by_gemm1 forms quantize the FC2 input")
+    block = WEIGHT_BLOCK[mode]
     gated = kind != "relu2"
     cfg = DEEP_CONFIG if deep_ring else CONFIG if fc2_by_gemm1 else PARTIALS_CONFIG
     threads = cfg.threads
     out_cols = cfg.rows * TOKENS // threads  # GEMM epilogues: accumulator columns per thread (4)
 
     @cute.kernel
-    def decode_kernel(x_bf16: cute.Tensor, token_selected_experts: cute.Tensor, token_final_scales: cute.Tensor,
+    def decode_kernel(x: cute.Tensor, x_sf: cute.Tensor, token_selected_experts: cute.Tensor,
+                      token_final_scales: cute.Tensor,
                       w1_sf: cute.Tensor, w1_map: GridConstant[TensorMap], w1_alpha: cute.Tensor,
                       w2_sf: cute.Tensor, w2_map: GridConstant[TensorMap], w2_alpha: cute.Tensor,
-                      out: cute.Tensor, partials: cute.Tensor, barrier: cute.Tensor,
+                      fc2_input_scale: cute.Tensor, out: cute.Tensor, partials: cute.Tensor, barrier: cute.Tensor,
                       hidden: Int32, inter: Int32, n1: Int32, top_k: Int32, num_experts: Int32, expert_offset: Int32,
                       p0: Float32, p1: Float32, p2: Float32, p3: Float32, ctas: Int32):
         tid, _, _ = cute.arch.thread_idx()
@@ -322,7 +357,7 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
         plan = allocate_plan()
         out_tile = sm.out  # written below inside run-time branches, which would otherwise carry all of `sm`
         by_top_k = ptx.division_magic(top_k)
-        x_address = x_bf16.iterator.toint()
+        x_address = x.iterator.toint()
         out_address = out.iterator.toint()
         # Before the wait (the descriptors do not depend on the previous kernel): a descriptor's first fetch would
         # otherwise sit between the routing and GEMM1's first copies, and between GEMM2's wait and its copies.
@@ -446,9 +481,31 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                     valid = (row0 + r < limit) & (kk < k_end)
                     row = cute.math.min(row0 + r, limit - 1)
                     source = cutlass.select_(gemm2, row, ptx.divide_by_magic(plan.row_pair[row], by_top_k))
-                    v = ptx.ld_global_cg_v4(token_base + (Int64(source) * Int64(k_extent) + Int64(
-                        cute.math.min(kk, k_extent - 8))) * 2)
-                    return [v[i] for i in range(4)], valid
+                    k = cute.math.min(kk, k_extent - 8)
+                    if cutlass.const_expr(mode == "w4a16"):
+                        v = ptx.ld_global_cg_v4(token_base + (Int64(source) * Int64(k_extent) + Int64(k)) * 2)
+                        return [v[i] for i in range(4)], valid
+                    at = source * k_extent + k  # element (< 2^31: at most 64 rows)
+                    # GEMM2's bf16 words, or x's codes (1 or 2 words) and scale byte (word 3)
+                    raw = ptx.ld_tokens_or_codes(Int32(gemm2), at, token_base, x_address, x_sf.iterator.toint(),
+                                                 4 if mode == "w4a4" else 8, block)
+                    return raw, valid
+
+                def decode_tokens(raw):
+                    """load_tokens' words -> the tile order's 4 words (stream.bf16x8_to_tile's): GEMM2's FC2 input
+                    as loaded; GEMM1's x decoded as the routing launch decodes it (routing.decode_values), exact
+                    either way. NVFP4 needs no permute: e2m1x8_to_bf16x2's pairs are the tile order's."""
+                    if cutlass.const_expr(mode == "w4a4"):
+                        s = ptx.cvt_e4m3_to_f32(raw[3]) * Float32(2.0 ** 63)  # the tile's 2^63 (<= 2^72: a bf16)
+                        decoded = [ptx.mul_bf16x2(w, Int32(ptx.BF16X2_2P126))  # value * 2^-63 in range first
+                                   for w in ptx.e2m1x8_to_bf16x2(raw[0], ptx.pack_bf16x2(s, s))]
+                    else:
+                        s = ue8m0_to_f32(raw[3])
+                        v = ptx.cvt_e4m3x4_to_f32(raw[0]) + ptx.cvt_e4m3x4_to_f32(raw[1])
+                        decoded = [ptx.mul_bf16x2(ptx.pack_bf16x2(v[i] * s, v[i + 4] * s), Int32(streaming.BF16X2_2P63))
+                                   for i in range(4)]
+                    loaded = streaming.bf16x8_to_tile(raw)
+                    return [Int32(cutlass.select_(gemm2, loaded[i], decoded[i])) for i in range(4)]
 
                 def trace(thread, event):
                     """The first item's first staging (event 0), first landed stages (1), first copies issued (2)
@@ -463,8 +520,9 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                 if item == first_item:
                     mark(timeline, tid, timeline0, phase_words)
                 streaming.accumulate(sm, tid, w_sf, w_map, expert, n_tile * cfg.rows, rows_per_expert, k_extent,
-                                     rank, ranges, limit - row0, TOKENS, cfg, BLOCK,
-                                     streaming.LoadsFirst(load_tokens) if fc2_by_gemm1 else
+                                     rank, ranges, limit - row0, TOKENS, cfg, block,
+                                     streaming.LoadsFirst(load_tokens, None if mode == "w4a16" else decode_tokens)
+                                     if fc2_by_gemm1 else
                                      streaming.TokenLoads(load_x, load_fc2_input, phase == 0), cluster_reduce=False,
                                      trace=trace if cutlass.const_expr(timeline) else None,
                                      ready=ready)
@@ -502,7 +560,7 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
                                  expert, token_final_scales, out_address, by_top_k, hidden)
                     if not gemm2:
                         gemm1_epilogue(sm, plan, tid, partials, barrier, pairs, n1, hidden, inter, t, n_tile, rank,
-                                       ranges, row0, limit, alpha, (p0, p1, p2, p3), kind)
+                                       ranges, row0, limit, alpha, (p0, p1, p2, p3), fc2_input_scale, kind, mode)
                 else:
                     if a_row < limit - row0 and last == 1:
                         if gemm2:
@@ -527,17 +585,18 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def launch(x_bf16: cute.Tensor, token_selected_experts: cute.Tensor, token_final_scales: cute.Tensor,
-               w1: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor, w2: cute.Tensor, w2_sf: cute.Tensor,
-               w2_alpha: cute.Tensor, out: cute.Tensor, partials: cute.Tensor, barrier: cute.Tensor,
+    def launch(x: cute.Tensor, x_sf: cute.Tensor, token_selected_experts: cute.Tensor,
+               token_final_scales: cute.Tensor, w1: cute.Tensor, w1_sf: cute.Tensor, w1_alpha: cute.Tensor,
+               w2: cute.Tensor, w2_sf: cute.Tensor, w2_alpha: cute.Tensor, fc2_input_scale: cute.Tensor,
+               out: cute.Tensor, partials: cute.Tensor, barrier: cute.Tensor,
                hidden: Int32, inter: Int32, n1: Int32, top_k: Int32, num_experts: Int32, expert_offset: Int32,
                p0: Float32, p1: Float32, p2: Float32, p3: Float32, ctas: Int32, pdl: cutlass.Boolean,
                stream: cuda.CUstream):
         w1_map = streaming.weight_map(w1, cute.size(w1_alpha), n1, hidden, cfg)
         w2_map = streaming.weight_map(w2, cute.size(w2_alpha), hidden, inter, cfg)
-        decode_kernel(x_bf16, token_selected_experts, token_final_scales, w1_sf, w1_map, w1_alpha, w2_sf, w2_map,
-                      w2_alpha, out, partials, barrier, hidden, inter, n1, top_k, num_experts, expert_offset,
-                      p0, p1, p2, p3, ctas).launch(
+        decode_kernel(x, x_sf, token_selected_experts, token_final_scales, w1_sf, w1_map, w1_alpha, w2_sf, w2_map,
+                      w2_alpha, fc2_input_scale, out, partials, barrier, hidden, inter, n1, top_k, num_experts,
+                      expert_offset, p0, p1, p2, p3, ctas).launch(
             grid=(ctas, 1, 1), block=(threads, 1, 1), stream=stream, use_pdl=pdl,
             min_blocks_per_mp=cfg.ctas_per_sm, preferred_smem_carveout=100, cooperative=True)
 
@@ -545,13 +604,14 @@ def make_kernel(kind: str, gemms: tuple = (True, True), split_gemm2: bool = Fals
 
 
 def compile_decode(kind: str, options: str, gemms: tuple = (True, True), split_gemm2: bool = False,
-                   timeline: bool = False, fc2_by_gemm1: bool = False, deep_ring: bool = False):
+                   timeline: bool = False, fc2_by_gemm1: bool = False, deep_ring: bool = False, mode: str = "w4a16"):
     from .fake_args import vector
 
     u8 = cutlass.Uint8
+    x = vector(BFloat16, 16) if mode == "w4a16" else vector(u8, 16)  # bf16, or the NVFP4 / MXFP8 codes
     return cute.compile(
-        make_kernel(kind, gemms, split_gemm2, timeline, fc2_by_gemm1, deep_ring), vector(BFloat16, 16), vector(Int32),
-        vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32), vector(u8, 16), vector(u8, 16),
-        vector(Float32), vector(BFloat16, 16), vector(Float32, 16), vector(Int32), Int32(128), Int32(128),
-        Int32(256), Int32(1), Int32(1), Int32(0), Float32(0), Float32(0), Float32(0), Float32(0), Int32(1),
-        cutlass.Boolean(True), cuda.CUstream(0), options=options)
+        make_kernel(kind, gemms, split_gemm2, timeline, fc2_by_gemm1, deep_ring, mode), x, vector(u8),
+        vector(Int32), vector(Float32), vector(u8, 16), vector(u8, 16), vector(Float32), vector(u8, 16),
+        vector(u8, 16), vector(Float32), vector(Float32), vector(BFloat16, 16), vector(Float32, 16), vector(Int32),
+        Int32(128), Int32(128), Int32(256), Int32(1), Int32(1), Int32(0), Float32(0), Float32(0), Float32(0),
+        Float32(0), Int32(1), cutlass.Boolean(True), cuda.CUstream(0), options=options)

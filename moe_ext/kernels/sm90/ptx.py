@@ -145,6 +145,31 @@ def ld_global_v2(addr: Int64, *, loc=None, ip=None) -> list:
 
 
 @dsl_user_op
+def ld_tokens_or_codes(bf16: Int32, element: Int32, words_base: Int64, codes_base: Int64, scale_base: Int64,
+                       code_bits: int, block: int, *, loc=None, ip=None) -> list:
+    """Where `bf16` is nonzero, the 16 bytes of bf16 element `element` from L2 (ld_global_cg_v4 at words_base);
+    else the codes of that element on (8 of code_bits bits: 1 or 2 words, at codes_base) in the first results and
+    its scale byte (one a `block` elements, at scale_base) in the last, the others 0. Predicated loads in one
+    sequence, the addresses made inside it from one register a load: no branch for ptxas to schedule around. The
+    results are zeroed first: a predicated load's destination otherwise counts as live from the kernel's entry
+    (its old value survives where the predicate is off), and the decode kernel's staging, which keeps 8 tasks' loads
+    in flight, spilled 400 words."""
+    words = code_bits // 4  # words of 8 codes
+    codes = "$0" if words == 1 else "{$0, $1}"
+    vector = "" if words == 1 else ".v2"
+    text = ("{ .reg .pred p; .reg .b64 a; .reg .b32 e; setp.ne.b32 p, $4, 0; "
+            "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; "
+            "mul.wide.u32 a, $5, 2; add.s64 a, a, $6; @p ld.global.cg.v4.b32 {$0, $1, $2, $3}, [a]; "
+            f"shr.u32 e, $5, {(8 // code_bits).bit_length() - 1}; cvt.u64.u32 a, e; add.s64 a, a, $7; "
+            f"@!p ld.global.nc{vector}.b32 {codes}, [a]; "
+            f"shr.u32 e, $5, {block.bit_length() - 1}; cvt.u64.u32 a, e; add.s64 a, a, $8; "
+            "@!p ld.global.nc.u8 $3, [a]; }")
+    values = _asm(4, [Int32(bf16), Int32(element), Int64(words_base), Int64(codes_base), Int64(scale_base)], text,
+                  "=r,=r,=r,=r,r,r,l,l,l", side_effects=True)
+    return [Int32(v) for v in values]
+
+
+@dsl_user_op
 def ld_global_cg_v4(addr: Int64, *, loc=None, ip=None) -> list:
     """16 bytes from L2, past the SM's L1: data another CTA of the same grid wrote (the non-coherent path of
     ld_global_v4 may serve a stale copy)."""
@@ -273,6 +298,24 @@ def e4m3_rounded_pair(a: Float32, b: Float32, *, loc=None, ip=None) -> list:
     text = ("{ .reg .b16 q, lo, hi; .reg .b32 h; cvt.rn.satfinite.e4m3x2.f32 q, $3, $2; "
             "cvt.rn.f16x2.e4m3x2 h, q; mov.b32 {lo, hi}, h; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }")
     return [Float32(v) for v in _asm(2, [Float32(a), Float32(b)], text, "=f,=f,f,f", result_type=T.f32())]
+
+
+@dsl_user_op
+def cvt_e4m3x4_to_f32(word: Int32, *, loc=None, ip=None) -> list:
+    """The four e4m3fn codes of `word` (code j in byte j) as fp32, exact: the hardware's decode to f16x2 pairs
+    (every e4m3 value is an f16 normal or subnormal), then f16 -> f32."""
+    text = ("{ .reg .b16 lo, hi, a0, a1, b0, b1; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
+            "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {a0, a1}, a; mov.b32 {b0, b1}, b; "
+            "cvt.f32.f16 $0, a0; cvt.f32.f16 $1, a1; cvt.f32.f16 $2, b0; cvt.f32.f16 $3, b1; }")
+    return [Float32(v) for v in _asm(4, [Int32(word)], text, "=f,=f,=f,=f,r", result_type=T.f32())]
+
+
+@dsl_user_op
+def cvt_e4m3_to_f32(byte: Int32, *, loc=None, ip=None) -> Float32:
+    """The e4m3fn code in the low byte of `byte` as fp32 (cvt_e4m3x4_to_f32's decode of one code)."""
+    text = ("{ .reg .b16 lo, hi, a0, a1; .reg .b32 a; mov.b32 {lo, hi}, $1; cvt.rn.f16x2.e4m3x2 a, lo; "
+            "mov.b32 {a0, a1}, a; cvt.f32.f16 $0, a0; }")
+    return Float32(_asm(1, [Int32(byte)], text, "=f,r", result_type=T.f32()))
 
 
 # bf16 2^126, in both halves: the decoded e2m1 bit pattern below is the value times 2^-126.

@@ -454,9 +454,12 @@ class LoadsFirst(NamedTuple):
     decode_fused.py's gathers, whose row map is read from shared memory. `load(r, k, k_end)` returns the 4 words
     of 8 bf16 values in row order, converted to the tile order only where they are stored: converted as they
     are loaded, ptxas put the conversion (the first use of the loads) ahead of the first chunk's weight copies,
-    which then waited for the loads (1-2.5 us an item)."""
+    which then waited for the loads (1-2.5 us an item). `decode(raw)`, where given, takes bf16x8_to_tile's place:
+    it turns what `load` returned into the 4 tile-order words (decode_fused.py's quantized activations, codes and
+    their scale, go straight to the tile order)."""
 
     load: object
+    decode: object = None
 
 
 class TokensReady(NamedTuple):
@@ -620,7 +623,8 @@ def stage_tokens(sm, tid, first, k_run, k_end, tokens: cutlass.Constexpr, cfg: c
         ptx.wgmma_wait(0)  # the last steps' wgmmas still read the tile this staging overwrites
     cute.arch.sync_threads()
     if cutlass.const_expr(isinstance(load_group, LoadsFirst)):
-        store_loaded(sm, load_chunk(tid, first, k_run, k_end, tokens, cfg, load_group.load, live), tokens, cfg)
+        store_loaded(sm, load_chunk(tid, first, k_run, k_end, tokens, cfg, load_group.load, live), tokens, cfg,
+                     load_group.decode)
     elif cutlass.const_expr(isinstance(load_group, TokenLoads)):
         if load_group.unrolled_when:
             store_loaded(sm, load_chunk(tid, first, k_run, k_end, tokens, cfg, load_group.unrolled, live), tokens, cfg)
@@ -643,11 +647,12 @@ def load_chunk(tid, first, k_run, k_end, tokens: int, cfg: StreamConfig, load_gr
             for m in range(chunk_tasks(tokens, cfg, live))]
 
 
-def store_loaded(sm, loaded: list, tokens: int, cfg: StreamConfig) -> None:
-    """Stores load_chunk's tasks (row-order bf16 words) in the tile order: converted here, not as they are loaded,
-    where ptxas would put the conversion, the loads' first use, ahead of the first copies' issue."""
+def store_loaded(sm, loaded: list, tokens: int, cfg: StreamConfig, decode=None) -> None:
+    """Stores load_chunk's tasks (row-order bf16 words, or what `decode` takes) in the tile order: converted here,
+    not as they are loaded, where ptxas would put the conversion, the loads' first use, ahead of the first copies'
+    issue."""
     for r, c, values, valid in loaded:
-        store_chunk(sm, r, c, bf16x8_to_tile(values), valid, tokens, cfg)
+        store_chunk(sm, r, c, (bf16x8_to_tile if decode is None else decode)(values), valid, tokens, cfg)
 
 
 def load_task(tid, m, first, k_run, k_end, tokens: int, cfg: StreamConfig, load_group) -> tuple:
@@ -742,10 +747,10 @@ def tma_mainloop(sm, tid, w_sf, w_map, expert, first_row, rows_per_expert, k_ext
             # The first group of stages, then the rest once the tokens are stored: the whole grid's first groups go
             # ahead of its later stages in the memory queues, so they land sooner.
             held_back = cfg.stages_per_wait if cfg.stages_per_wait > 1 else cfg.stages
-            stage_first_chunk(copies, k_end, tokens, load_group.load, live, held_back)
+            stage_first_chunk(copies, k_end, tokens, load_group, live, held_back)
         elif cutlass.const_expr(isinstance(load_group, TokenLoads)):
             if load_group.unrolled_when:
-                stage_first_chunk(copies, k_end, tokens, load_group.unrolled, live, cfg.stages)
+                stage_first_chunk(copies, k_end, tokens, LoadsFirst(load_group.unrolled), live, cfg.stages)
             else:
                 issue_first_copies(*copies)
         else:
@@ -819,16 +824,16 @@ def copies_before_wait(copies: FirstCopies, ready: TokensReady) -> Int32:
 
 
 @cute.jit
-def stage_first_chunk(copies: FirstCopies, k_end, tokens: cutlass.Constexpr, load, live: cutlass.Constexpr,
+def stage_first_chunk(copies: FirstCopies, k_end, tokens: cutlass.Constexpr, loads, live: cutlass.Constexpr,
                       held_back: cutlass.Constexpr):
     """The run's first token chunk with its loads issued ahead of its first weight copies (issue_first_copies'
     arguments `copies`), stored after them: loads issued after the copies queue behind the whole grid's first
     boxes (3.5-5 us an item at T=1, 0.7-1.8 ahead of them). Copies from stage `held_back` on wait until the tokens
     are stored (session 40, H100: 0.4-0.7 us faster at the fc2_by_gemm1 forms' points)."""
     sm, tid, first, cfg, trace = copies.sm, copies.tid, copies.first, copies.cfg, copies.trace
-    loaded = load_chunk(tid, first, 0, k_end, tokens, cfg, load, live)
+    loaded = load_chunk(tid, first, 0, k_end, tokens, cfg, loads.load, live)
     issue_first_copies(*copies, 0, held_back)
-    store_loaded(sm, loaded, tokens, cfg)
+    store_loaded(sm, loaded, tokens, cfg, loads.decode)
     if cutlass.const_expr(trace is not None):
         trace(tid, 3)
     if cutlass.const_expr(held_back < cfg.stages):
