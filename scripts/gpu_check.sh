@@ -11,7 +11,8 @@
 #              (wgmma-heavy kernel tests, or $AB_CHECK_FILE -k $AB_CHECK_K) each directory of $AB_DIRS, then
 #              reinstall $MOE_EXT_KERNEL_DIR (unless alone);
 #              an entry "BASE+OVERLAY" of $AB_DIRS (both parts) is BASE with the objects of folder OVERLAY over it
-#   ab_bench:  whole forwards (graph replays, w4a16, fused) of each directory of $AB_DIRS at $AB_SHAPES x $AB_TOKENS
+#   ab_bench:  whole forwards (graph replays, fused; $AB_MODES, default w4a16) of each directory of $AB_DIRS at
+#              $AB_SHAPES x $AB_TOKENS
 #              with $AB_BENCH_TACTIC (default: the heuristic's, untuned), in interleaved rounds ($AB_ROUNDS), and
 #              each point's energy per forward over $AB_ENERGY_SECONDS (default 0.5 s) of replays (NVML's counter);
 #              each bench step is cut at $AB_STEP_SECONDS (default 200)
@@ -116,7 +117,8 @@ kernel_dir() {  # kernel_dir D: the kernel directory D names; "BASE+OVERLAY" is 
   fi
 }
 bench_summary() {  # bench_summary JSON LABEL: one summary line of a bench record's points (and energy, if timed)
-  python3 -c "import json, sys; print(sys.argv[2] + ':', ' '.join(f\"{r['shape']}:{r['T']} {r['us']:.1f}\"
+  python3 -c "import json, sys; print(sys.argv[2] + ':', ' '.join(f\"{r['shape']}:{r['T']}\"
+    + ('' if r['quant_mode'] == 'w4a16' else ':' + r['quant_mode']) + f\" {r['us']:.1f}\"
     + (f\" ({r['energy_mj']:.1f} mJ)\" if 'energy_mj' in r else '')
     for r in json.load(open(sys.argv[1])) if 'us' in r))" "$1" "$2" >> "$OUT/summary.txt"
 }
@@ -210,7 +212,7 @@ elif [ "$PART" = ab_bench ]; then  # what per-kernel sums miss: gaps between ker
       MOE_EXT_KERNEL_DIR=$dir MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_$tag.log" 2>&1
       name="ab_bench_${tag}_$round"
       step "$name" "${AB_STEP_SECONDS:-200}" python3 -m moe_ext.bench --shapes "${AB_SHAPES:-qwen3-30b-a3b,deepseek-v3-ep8}" \
-        --tokens "${AB_TOKENS:-1,8,64}" --modes w4a16 --finalize fused --impls moe_ext \
+        --tokens "${AB_TOKENS:-1,8,64}" --modes "${AB_MODES:-w4a16}" --finalize fused --impls moe_ext \
         --tactic "${AB_BENCH_TACTIC:-default}" --iters 50 --max-seconds-per-point 1.0 \
         --energy-seconds "${AB_ENERGY_SECONDS:-0.5}" --out "$OUT/$name.json"
       bench_summary "$OUT/$name.json" "$d round $round"

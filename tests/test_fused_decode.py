@@ -9,6 +9,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from conftest import (ACTS, TOLERANCE, gpu, hopper_kernels, make_case, reference_and_gate, rel_l2,
                       replays_with_new_inputs)
 
@@ -289,3 +291,20 @@ def test_quantized_fused_decode_in_a_captured_wrapper_replays_new_routing(quanti
     wrapper.run = _with_tactic(wrapper.run, FUSED)
     for step, captured, eager in replays_with_new_inputs(wrapper, base, fused=True, steps=20, tactic=FUSED):
         assert rel_l2(captured, eager) <= 5e-3, step
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mode=st.sampled_from(["w4a16", "w4a4", "w4a8"]),
+       act=st.sampled_from(["swiglu", "swiglu_oai", "geglu_tanh", "relu2"]), tokens=st.integers(1, 16),
+       top_k=st.integers(1, 8), hidden=st.sampled_from([128, 384, 1024, 2944]), inter=st.sampled_from([128, 384, 768]),
+       num_experts=st.sampled_from([8, 16, 64]), ep_rank=st.sampled_from([(1, 0), (8, 5)]),
+       seed=st.integers(0, 2 ** 16), invalid=st.sampled_from([0.0, 0.2]))
+def test_fused_decode_property_random_layers(mode, act, tokens, top_k, hidden, inter, num_experts, ep_rank, seed,
+                                             invalid):
+    """Any layer the one-launch forward takes (T * top_k <= 64, every mode, gated or not, EP ranks with one to
+    eight local experts) matches the reference, in whichever form the launcher picks for it."""
+    assume(tokens * top_k <= launcher.DECODE_MAX_PAIRS and top_k <= num_experts)
+    ep, rank = ep_rank
+    case = make_case(mode, act, num_tokens=tokens, top_k=top_k, num_experts=num_experts, hidden=hidden, inter=inter,
+                     ep=ep, rank=rank, seed=seed, invalid_fraction=invalid, weight_scale=0.05).to("cuda")
+    check(case)
