@@ -790,10 +790,10 @@ def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pd
     """The whole forward as one cooperative launch (FUSED_DECODE; moe_ext/kernels/sm90/decode_fused.py): no
     routing maps, no memset node; the kernel zeroes `out` itself before its fused finalize adds into it."""
     if not fits_fused_decode(problem):
-        raise ValueError(f"FUSED_DECODE runs {'/'.join(DECODE_MODES)} layers with fused finalize, no localized shards "
-                         f"and at most "
-                         f"{DECODE_MAX_PAIRS} (token, expert) pairs; got {problem.kernel_mode}, fused finalize "
-                         f"{problem.use_fused_finalize}, T * top_k = {problem.num_tokens * problem.top_k}")
+        raise ValueError(f"FUSED_DECODE runs {'/'.join(DECODE_MODES)} layers with fused finalize, no localized "
+                         f"shards and at most {DECODE_MAX_PAIRS} (token, expert) pairs; got {problem.kernel_mode}, "
+                         f"fused finalize {problem.use_fused_finalize}, T * top_k = "
+                         f"{problem.num_tokens * problem.top_k}")
     device = problem.device
     T, K, H, I, E = (problem.num_tokens, problem.top_k, problem.hidden_size, problem.intermediate_size,
                      problem.num_local_experts)
