@@ -670,6 +670,11 @@ def _dummies(device: torch.device) -> dict:
             for dtype in (torch.bfloat16, torch.uint8, torch.float32)}
 
 
+def _scale_or_dummy(name: str, t: torch.Tensor | None, device: torch.device, numel: int) -> torch.Tensor:
+    """A float32 scale only some modes have (fc2_input_scale, per_token_scale): checked, or the stand-in."""
+    return _dummies(device)[torch.float32] if t is None else _check(name, t, torch.float32, device, numel)
+
+
 def decode_kernel(kind: str, split_gemm2: bool = False, fc2_by_gemm1: bool = False, deep_ring: bool = False,
                   mode: str = "w4a16") -> str:
     return (f"moe_decode_{mode}_{kind}" + ("_split2" if split_gemm2 else "") + ("_fc2" if fc2_by_gemm1 else "")
@@ -809,7 +814,7 @@ def decode_forward(problem, buffers: KernelBuffers, out: torch.Tensor, enable_pd
     else:  # the codes and their linear scales, which GEMM1's staging decodes
         x = [_check("x", problem.x.view(u8), u8, device, T * H // (2 if problem.quant_mode == "w4a4" else 1), 16),
              _check("x_sf", problem.x_sf, u8, device, T * H // block)]
-    fc2_scale = problem.fc2_input_scale if problem.fc2_input_scale is not None else dummy[f32]
+    fc2_scale = _scale_or_dummy("fc2_input_scale", problem.fc2_input_scale, device, 1)
     launch(decode_kernel_for(problem), [
         *x,
         _check("token_selected_experts", problem.token_selected_experts, i32, device, T * K),
@@ -899,9 +904,8 @@ def forward(problem, routing: Routing, buffers: KernelBuffers, out: torch.Tensor
                                    routing.num_live_tiles, buf["token_slabs"]], [H, K, routing.tile_size],
                enable_pdl, device)
         x_bf16 = buf["token_slabs"]
-    fc2_scale = problem.fc2_input_scale if problem.fc2_input_scale is not None else dummy[f32]
-    pts = (_check("per_token_scale", problem.per_token_scale, f32, device, T) if problem.per_token_scale is not None
-           else dummy[f32])
+    fc2_scale = _scale_or_dummy("fc2_input_scale", problem.fc2_input_scale, device, 1)
+    pts = _scale_or_dummy("per_token_scale", problem.per_token_scale, device, T)
     scales = _check("token_final_scales", problem.token_final_scales, f32, device, T * K)
     out_flat = _check("moe_output", out, bf16, device, T * H, 16)
     w1_alpha = _check("w1_alpha", problem.w1_alpha, f32, device, E)
