@@ -37,19 +37,23 @@ for mode in ("w4a4", "w4a16"):
         for tactic in HOPPER.tactics(problem):
             moe_ext.cute_dsl_fused_moe(**kw, tactic=tactic)
 # The one-launch decode in each of its forms, forced through the launcher's rules (the cases above take only the
-# fc2 form): partials and fc2, GEMM2 split or not, the fc2 form's deep ring. On a 132-SM grid, 8 pairs on distinct
-# experts give GEMM1 2 K ranges of its 9 steps (hidden 1152: uneven) and the split form 2 of GEMM2's 8 (inter 1024).
+# fc2 form): partials and fc2, GEMM2 split or not, the fc2 form's deep ring; w4a4 / w4a8 have the fc2 forms only. On
+# a 132-SM grid, 8 pairs on distinct experts give GEMM1 2 K ranges of its 9 steps (hidden 1152: uneven) and the split
+# form 2 of GEMM2's 8 (inter 1024).
 forms = [dict(split_gemm2=split, fc2_by_gemm1=fc2, deep_ring=False) for fc2 in (False, True) for split in (False, True)]
-for form in forms + [dict(split_gemm2=False, fc2_by_gemm1=True, deep_ring=True)]:
-    launcher.decode_fc2_by_gemm1 = lambda problem, f=form: f["fc2_by_gemm1"]
-    launcher._decode_gemm2_wants_split = lambda problem, f=form: f["split_gemm2"]
-    launcher.decode_deep_ring = lambda problem, f=form: f["deep_ring"]
-    case = make_case("w4a16", "swiglu", num_tokens=2, top_k=4, num_experts=16, hidden=1152, inter=1024,
-                     invalid_fraction=0.1).to("cuda")
-    problem = build_problem(**case.kwargs(use_fused_finalize=True))
-    name = launcher.decode_kernel("swiglu", **form)
-    assert launcher.decode_kernel_for(problem) == name, (launcher.decode_kernel_for(problem), name)
-    moe_ext.cute_dsl_fused_moe(**case.kwargs(use_fused_finalize=True), tactic=DECODE)
-    print("memcheck smoke: ran", name)
+for mode in launcher.DECODE_MODES:
+    for form in forms + [dict(split_gemm2=False, fc2_by_gemm1=True, deep_ring=True)]:
+        if mode != "w4a16" and not form["fc2_by_gemm1"]:
+            continue
+        launcher.decode_fc2_by_gemm1 = lambda problem, f=form: f["fc2_by_gemm1"]
+        launcher._decode_gemm2_wants_split = lambda problem, f=form: f["split_gemm2"]
+        launcher.decode_deep_ring = lambda problem, f=form: f["deep_ring"]
+        case = make_case(mode, "swiglu", num_tokens=2, top_k=4, num_experts=16, hidden=1152, inter=1024,
+                         invalid_fraction=0.1).to("cuda")
+        problem = build_problem(**case.kwargs(use_fused_finalize=True))
+        name = launcher.decode_kernel("swiglu", **form, mode=mode)
+        assert launcher.decode_kernel_for(problem) == name, (launcher.decode_kernel_for(problem), name)
+        moe_ext.cute_dsl_fused_moe(**case.kwargs(use_fused_finalize=True), tactic=DECODE)
+        print("memcheck smoke: ran", name)
 torch.cuda.synchronize()
 print("memcheck smoke: ok")
