@@ -10,12 +10,17 @@ times of the variants (wrong outputs, right schedule) split a forward into its p
         AB_SHAPES=qwen3-30b-a3b,deepseek-v3-ep8,deepseek-v3 AB_TOKENS=1,8 AB_ENERGY_SECONDS=0 \\
         OUT=$OUT bash scripts/gpu_check.sh ab_bench
 
+The unsplit variants (full and without GEMM2's items) give every GEMM1 weight tile one K range, however few tiles
+fill the grid: against full / no_gemm2 they say how much of GEMM1's phase is a per-item cost (perf notes, session
+55: the scoping of a decode without the grid barrier, whose items would be longer).
+
 The timeline variant is the full kernel, every form (split_gemm2, fc2_by_gemm1), writing each CTA's timeline
 (decode_fused.TIMELINE) past the barrier words; benchmarks/decode_timeline.py runs it and reads them:
 
     python3 benchmarks/decode_phase_variants.py .kernels_phase --variants timeline
 """
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -29,7 +34,21 @@ VARIANTS = {
     "timeline": [dict(timeline=True, split_gemm2=split, fc2_by_gemm1=fc2) for split in (False, True)
                  for fc2 in (False, True)] + [dict(timeline=True, fc2_by_gemm1=True, deep_ring=True)],
 }
+VARIANTS["unsplit"] = VARIANTS["full"]
+VARIANTS["no_gemm2_unsplit"] = VARIANTS["no_gemm2"]
+UNSPLIT = ("unsplit", "no_gemm2_unsplit")
 PHASES = "full,no_gemm2,no_gemm1,neither"
+
+
+@contextlib.contextmanager
+def one_gemm1_range(decode_fused):
+    """decode_fused.splits at 1 while a kernel traces (the unsplit forms only call it for GEMM1's K ranges)."""
+    splits = decode_fused.splits
+    decode_fused.splits = lambda ctas, items, steps, min_steps: decode_fused.Int32(1)
+    try:
+        yield
+    finally:
+        decode_fused.splits = splits
 
 
 def main():
@@ -52,8 +71,11 @@ def main():
             for form in VARIANTS[variant]:
                 name = launcher.decode_kernel(kind, form.get("split_gemm2", False), form.get("fc2_by_gemm1", False),
                                               form.get("deep_ring", False))
+                if variant in UNSPLIT and form.get("split_gemm2", False):
+                    raise SystemExit(f"{variant}: the split_gemm2 form calls splits for GEMM2 too")
                 start = time.perf_counter()
-                compiled = decode_fused.compile_decode(kind, f"--gpu-arch {build.ARCH}", **form)
+                with one_gemm1_range(decode_fused) if variant in UNSPLIT else contextlib.nullcontext():
+                    compiled = decode_fused.compile_decode(kind, f"--gpu-arch {build.ARCH}", **form)
                 compiled.export_to_c(file_path=folder, file_name=name, function_prefix=name)
                 print(f"{variant}: {name} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
