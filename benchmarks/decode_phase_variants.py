@@ -14,9 +14,10 @@ The unsplit variants (full and without GEMM2's items) give every GEMM1 weight ti
 fill the grid: against full / no_gemm2 they say how much of GEMM1's phase is a per-item cost (perf notes, session
 55: the scoping of a decode without the grid barrier, whose items would be longer).
 
-The fc2_three_ctas variant is the unsplit fc2 form on three CTAs an SM (80 registers, no spills), for
-`python3 -m moe_ext.bench --decode-form fc2_three_ctas` against `--decode-form fc2` on the shipped build: does a
-third CTA's warps raise the per-CTA consumption rate that bounds T=1 (perf notes, session 55)?
+The three_ctas variant is the unsplit partials and fc2 forms on three CTAs an SM (80 registers: the fc2 form without
+spills, the partials one with 74 spilled words), for `python3 -m moe_ext.bench --decode-form three_ctas` against
+the shipped build's `--decode-form rule`: does a third CTA an SM raise the consumption rate that bounds T=1 (perf
+notes, session 55)?
 
 The timeline variant is the full kernel, every form (split_gemm2, fc2_by_gemm1), writing each CTA's timeline
 (decode_fused.TIMELINE) past the barrier words; benchmarks/decode_timeline.py runs it and reads them:
@@ -38,7 +39,7 @@ VARIANTS = {
     "timeline": [dict(timeline=True, split_gemm2=split, fc2_by_gemm1=fc2) for split in (False, True)
                  for fc2 in (False, True)] + [dict(timeline=True, fc2_by_gemm1=True, deep_ring=True)],
 }
-VARIANTS["fc2_three_ctas"] = [dict(fc2_by_gemm1=True)]
+VARIANTS["three_ctas"] = [dict(), dict(fc2_by_gemm1=True)]
 VARIANTS["unsplit"] = VARIANTS["full"]
 VARIANTS["no_gemm2_unsplit"] = VARIANTS["no_gemm2"]
 UNSPLIT = ("unsplit", "no_gemm2_unsplit")
@@ -47,15 +48,16 @@ PHASES = "full,no_gemm2,no_gemm1,neither"
 
 @contextlib.contextmanager
 def three_ctas(decode_fused):
-    """The unsplit fc2 form on stream.py's three-CTA config for 8-token tiles (80 registers: it fits them without
-    spills, the partials and split forms do not), for `moe_ext.bench --decode-form fc2_three_ctas`."""
-    config = decode_fused.CONFIG
-    decode_fused.CONFIG = decode_fused.replace(decode_fused.streaming.config_for(decode_fused.TOKENS, 1, True),
-                                               token_elems=config.token_elems)
+    """The unsplit forms on stream.py's three-CTA config for 8-token tiles (80 registers: the fc2 form fits them
+    without spills, the partials form spills 74 words), for `moe_ext.bench --decode-form three_ctas`."""
+    configs = decode_fused.CONFIG, decode_fused.PARTIALS_CONFIG
+    three = decode_fused.replace(decode_fused.streaming.config_for(decode_fused.TOKENS, 1, True),
+                                 token_elems=configs[0].token_elems)
+    decode_fused.CONFIG, decode_fused.PARTIALS_CONFIG = three, decode_fused.replace(three, unroll_ring=False)
     try:
         yield
     finally:
-        decode_fused.CONFIG = config
+        decode_fused.CONFIG, decode_fused.PARTIALS_CONFIG = configs
 
 
 @contextlib.contextmanager
@@ -93,7 +95,7 @@ def main():
                     raise SystemExit(f"{variant}: the split_gemm2 form calls splits for GEMM2 too")
                 start = time.perf_counter()
                 with (one_gemm1_range(decode_fused) if variant in UNSPLIT else three_ctas(decode_fused)
-                      if variant == "fc2_three_ctas" else contextlib.nullcontext()):
+                      if variant == "three_ctas" else contextlib.nullcontext()):
                     compiled = decode_fused.compile_decode(kind, f"--gpu-arch {build.ARCH}", **form)
                 compiled.export_to_c(file_path=folder, file_name=name, function_prefix=name)
                 print(f"{variant}: {name} in {time.perf_counter() - start:.1f} s", file=sys.stderr)

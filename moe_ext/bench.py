@@ -187,11 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="moe_ext's tactic: tuned (autotune on the first call), default (the heuristic's, no "
                              "tuning: for A/B runs of two kernel builds) or one given as integers, e.g. 16,1,2")
     parser.add_argument("--decode-form", choices=("rule", "fc2", "partials", "shallow_ring", "split_gemm2",
-                                                  "fc2_three_ctas"), default="rule",
+                                                  "three_ctas"), default="rule",
                         help="FUSED_DECODE's kernel form: the launcher's rules, one form wherever the one-launch "
                              "forward runs, the rules without the deep-ring variant, GEMM2 split wherever the "
-                             "grid has room for two K ranges (A/Bs of the rules), or the unsplit fc2 form on a grid "
-                             "of three CTAs an SM (needs that object's three-CTA build: decode_phase_variants.py)")
+                             "grid has room for two K ranges (A/Bs of the rules), or the unsplit forms on a grid of "
+                             "three CTAs an SM (needs their three-CTA builds: decode_phase_variants.py)")
     parser.add_argument("--host-overhead", action="store_true",
                         help="instead of the sweep: host time of an eager wrapper.run at T=1 and the kernel nodes "
                              "of a captured forward, per shape, mode and finalize")
@@ -1020,11 +1020,12 @@ def force_decode_form(form: str) -> None:
     """--decode-form: "fc2" drops the rule's step floor, "partials" turns the fc2_by_gemm1 forms off,
     "shallow_ring" their deep-ring variant, "split_gemm2" drops decode_splits_gemm2's floor of K steps a range (the
     kernel still sizes its ranges by its own decode_fused.GEMM2_MIN_STEPS: a build with a lower one is what this
-    times), "fc2_three_ctas" the unsplit fc2 form everywhere on a cooperative grid of three CTAs an SM (the linked
-    object must be its three-CTA build, benchmarks/decode_phase_variants.py's fc2_three_ctas, else the launch fails
-    as too large to be co-resident). Refused when the form is not linked (the launcher would run the other one)."""
+    times), "three_ctas" the unsplit forms (partials or fc2 by the rule, no deep ring) on a cooperative grid of three
+    CTAs an SM (the linked objects must be their three-CTA builds, benchmarks/decode_phase_variants.py's three_ctas,
+    else the launch fails as too large to be co-resident). Refused when the form is not linked (the launcher would
+    run the other one)."""
     needs = {"fc2": dict(fc2_by_gemm1=True), "partials": {}, "split_gemm2": dict(split_gemm2=True),
-             "fc2_three_ctas": dict(fc2_by_gemm1=True)}.get(form)
+             "three_ctas": dict(fc2_by_gemm1=True)}.get(form)
     if needs is not None and not launcher.has_kernel(launcher.decode_kernel("swiglu", **needs)):
         raise SystemExit(f"--decode-form {form}: the launcher links no such decode objects (a build older than the "
                          "tree?)")
@@ -1036,8 +1037,7 @@ def force_decode_form(form: str) -> None:
         launcher.DECODE_DEEP_RING = False
     elif form == "split_gemm2":
         launcher.DECODE_GEMM2_MIN_STEPS = 1
-    elif form == "fc2_three_ctas":
-        launcher.DECODE_FC2_MIN_RANGE_STEPS = 0
+    elif form == "three_ctas":
         launcher.DECODE_DEEP_RING = launcher.DECODE_SPLIT_GEMM2 = False
         launcher.DECODE_CTAS_PER_SM = 3
 
