@@ -1,7 +1,7 @@
-"""Steady-state SASS of a streaming GEMM's mainloop, per stage: the innermost loop that waits on the most full
-barriers (one a stage; two or four where the mainloop groups or unrolls stages, StreamConfig.stages_per_wait /
-unroll_ring), less every block a forward branch jumps over without a full-barrier wait in it (warp 0's refills,
-the per-chunk token staging). The waits' retry paths count where ptxas leaves them in the loop. Reads listings
+"""Steady-state SASS of a streaming GEMM's mainloop, per stage: the loop densest in full-barrier waits (one a
+stage; two or four where the mainloop groups or unrolls stages, StreamConfig.stages_per_wait / unroll_ring; a ring
+walked as a loop too), less every block a forward branch jumps over without a full-barrier wait in it (warp 0's
+refills, the per-chunk token staging). The waits' retry paths count where ptxas leaves them in the loop. Reads listings
 written by scripts/kernel_sass.py --sass:
 
     python3 scripts/kernel_sass.py --sass .kernels/moe_gemm1_w4a16_swiglu_t8_3cta.o > /tmp/a.sass
@@ -15,6 +15,7 @@ import sys
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]+\*/")
 BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
 LABEL = re.compile(r"^(\.L_x_\d+):")
+SHORT_LOOP = 8  # instructions at most in a wait's retry loop (a stage takes ~180)
 
 
 def barrier_offset(line: str) -> int | None:
@@ -36,12 +37,17 @@ def mainloop(lines: list[str]) -> tuple[int, list[str]]:
         m = BRANCH.search(lines[i])
         return labels[m.group(1)] if m else None
 
-    # Back branches are predicated; the unconditional ones return from out-of-line retry paths into a loop.
-    loops = [(sum(head < w < i for w in full), head, i) for i in code
-             if "@" in lines[i] and (head := target(i)) is not None and head < i
-             and "TRYWAIT" not in lines[head + 1]]
-    most = max(n for n, _, _ in loops)
-    stages, head, back = min((loop for loop in loops if loop[0] == most), key=lambda loop: loop[2] - loop[1])
+    # Unconditional back branches past the last EXIT return from out-of-line retry paths into a loop; inside the
+    # body they close a loop whose exit branches forward (the ring walked as a loop, StreamConfig.unroll_ring off).
+    # A wait's own retry loop (a few instructions around its TRYWAIT) is not a mainloop.
+    body_end = max((i for i in code if re.search(r"\bEXIT\b", lines[i])), default=len(lines))
+    loops = [(sum(head <= w < i for w in full), head, i) for i in code
+             if ("@" in lines[i] or i < body_end) and (head := target(i)) is not None and head < i
+             and sum(head < j < i for j in code) > SHORT_LOOP]
+    # The mainloop is the loop densest in full waits (an outer loop holds the same waits among more instructions; an
+    # unrolled ring's pass and a looped ring's group both qualify), more waits breaking ties.
+    stages, head, back = max((loop for loop in loops if loop[0]), key=lambda loop: (loop[0] / (loop[2] - loop[1]),
+                                                                                    loop[0]))
     body = [i for i in code if head < i <= back]
     skip = set()
     for i in body:

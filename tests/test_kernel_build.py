@@ -586,3 +586,26 @@ def test_step_sass_counts_a_stage_of_the_hottest_mainloop():
     stages, loop = step_sass.mainloop(lines)
     assert stages == 2 and len(loop) == 9  # 11 instructions less the skipped refill wait and copy
     assert not any("UBLKCP" in line or "0x114a0], R7" in line for line in loop)
+
+
+def test_step_sass_finds_a_ring_walked_as_a_loop():
+    """A ring walked as a loop (StreamConfig.unroll_ring off, the one-launch decode's partials form): its back
+    branch is unconditional and inside the body (the exit branches forward), and the item loop around it waits on
+    more full barriers among many more instructions; the out-of-line retry path past EXIT is no loop. The ring's
+    loop is the mainloop: one stage, its 10 instructions."""
+    step_sass = load_script("step_sass")
+    ring = ["SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R4+URZ+0x11480], R5 ;"] + ["LOP3.LUT R1 ;", "IMAD R2 ;",
+                                                                            "HMMA.16816.F32.BF16 R4 ;"] * 2
+    ring += ["SYNCS.ARRIVE.TRANS64.A1T0 RZ, [R4+URZ+0x114a0], RZ ;", "@P1 BRA `(.L_x_2) ;", "BRA `(.L_x_1) ;"]
+    blocks = [(".L_x_0:", ["SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR16+0x11480], R5 ;"]), (".L_x_1:", ring),
+              (".L_x_2:", ["SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R5+URZ+0x11480], R5 ;"] + ["FADD R1 ;"] * 40
+               + ["@P0 BRA `(.L_x_0) ;", "EXIT ;"]),
+              (".L_x_3:", ["SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R4+URZ+0x11480], R5 ;", "BRA `(.L_x_1) ;"])]
+    lines, address = [], 0
+    for label, block in blocks:
+        lines.append(label + "\n")
+        for text in block:
+            lines.append(f"        /*{address:04x}*/                   {text}\n")
+            address += 16
+    stages, loop = step_sass.mainloop(lines)
+    assert stages == 1 and len(loop) == 10 and "TRYWAIT" in loop[0] and "BRA `(.L_x_1)" in loop[-1]
