@@ -38,11 +38,11 @@ VARIANTS = {
     "neither": [dict(gemms=(False, False))],
     "timeline": [dict(timeline=True, split_gemm2=split, fc2_by_gemm1=fc2) for split in (False, True)
                  for fc2 in (False, True)] + [dict(timeline=True, fc2_by_gemm1=True, deep_ring=True)],
+    # traced under TRACE_PATCHES' changes to decode_fused
+    "unsplit": [dict(gemms=(True, True))],
+    "no_gemm2_unsplit": [dict(gemms=(True, False))],
+    "three_ctas": [dict(), dict(fc2_by_gemm1=True)],
 }
-VARIANTS["three_ctas"] = [dict(), dict(fc2_by_gemm1=True)]
-VARIANTS["unsplit"] = VARIANTS["full"]
-VARIANTS["no_gemm2_unsplit"] = VARIANTS["no_gemm2"]
-UNSPLIT = ("unsplit", "no_gemm2_unsplit")
 PHASES = "full,no_gemm2,no_gemm1,neither"
 
 
@@ -73,6 +73,10 @@ def one_gemm1_range(decode_fused):
         decode_fused.splits = splits
 
 
+# variant -> what it changes in decode_fused while its forms trace
+TRACE_PATCHES = {"unsplit": one_gemm1_range, "no_gemm2_unsplit": one_gemm1_range, "three_ctas": three_ctas}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
@@ -93,11 +97,8 @@ def main():
             for form in VARIANTS[variant]:
                 name = launcher.decode_kernel(kind, form.get("split_gemm2", False), form.get("fc2_by_gemm1", False),
                                               form.get("deep_ring", False))
-                if variant in UNSPLIT and form.get("split_gemm2", False):
-                    raise SystemExit(f"{variant}: the split_gemm2 form calls splits for GEMM2 too")
                 start = time.perf_counter()
-                with (one_gemm1_range(decode_fused) if variant in UNSPLIT else three_ctas(decode_fused)
-                      if variant == "three_ctas" else contextlib.nullcontext()):
+                with TRACE_PATCHES.get(variant, lambda module: contextlib.nullcontext())(decode_fused):
                     compiled = decode_fused.compile_decode(kind, f"--gpu-arch {build.ARCH}", **form)
                 compiled.export_to_c(file_path=folder, file_name=name, function_prefix=name)
                 print(f"{variant}: {name} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
