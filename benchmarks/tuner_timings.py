@@ -1,5 +1,6 @@
 """What the tuner saw: moe_ext.bench with every moe_ext.tuning.profile call's timings printed (candidate -> median
-µs, fastest first), so a tuned point can be checked against graph replays of the tactics it weighed.
+µs, fastest first), and those of moe_ext.tuning.sustained (its finalists timed back to back, where forwards are
+long), so a tuned point can be checked against graph replays of the tactics it weighed.
 
     python3 benchmarks/tuner_timings.py --shapes deepseek-v3-ep8 --tokens 8 --tactic tuned [bench arguments]
 
@@ -12,19 +13,24 @@ import sys
 
 from moe_ext import backends, bench, tuning
 
-_profile = tuning.profile
 
+def logged(timer, label: str):
+    """`timer` (tuning.profile or tuning.sustained), printing its candidates' µs, fastest first."""
 
-def logged_profile(*args, **kwargs) -> dict:
-    timings = _profile(*args, **kwargs)
-    ranked = sorted(timings.items(), key=lambda kv: kv[1])
-    print("tuner timings (us): " + ", ".join(f"{tactic}: {seconds * 1e6:.1f}" for tactic, seconds in ranked),
-          flush=True)
-    return timings
+    def timed(*args, **kwargs) -> dict:
+        timings = timer(*args, **kwargs)
+        ranked = sorted(timings.items(), key=lambda kv: kv[1])
+        print(f"{label} (us): " + ", ".join(f"{tactic}: {seconds * 1e6:.1f}" for tactic, seconds in ranked),
+              flush=True)
+        return timings
+
+    return timed
 
 
 if __name__ == "__main__":
-    tuning.profile = logged_profile  # AutoTuner.choose looks the name up at each call
+    # AutoTuner.choose looks the names up at each call
+    tuning.profile = logged(tuning.profile, "tuner timings")
+    tuning.sustained = logged(tuning.sustained, "sustained timings")
     argv = sys.argv[1:]
     if "--warm-l2" in argv:
         argv.remove("--warm-l2")

@@ -12,7 +12,7 @@
 #              reinstall $MOE_EXT_KERNEL_DIR (unless alone);
 #              an entry "BASE+OVERLAY" of $AB_DIRS (both parts) is BASE with the objects of folder OVERLAY over it
 #   ab_bench:  whole forwards (graph replays, fused; $AB_MODES, default w4a16) of each directory of $AB_DIRS at
-#              $AB_SHAPES x $AB_TOKENS
+#              $AB_SHAPES x $AB_TOKENS (an entry "DIR@FORM" runs bench's --decode-form FORM, default rule)
 #              with $AB_BENCH_TACTIC (default: the heuristic's, untuned), in interleaved rounds ($AB_ROUNDS), and
 #              each point's energy per forward over $AB_ENERGY_SECONDS (default 0.5 s) of replays (NVML's counter);
 #              each bench step is cut at $AB_STEP_SECONDS (default 200)
@@ -207,15 +207,18 @@ elif [ "$PART" = ab_wgmma ]; then  # AB_DIRS: kernel directories (same kernels, 
   [ "$PARTS" = ab_wgmma ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
 elif [ "$PART" = ab_bench ]; then  # what per-kernel sums miss: gaps between kernels, overlap under PDL
   for round in $(seq "${AB_ROUNDS:-2}"); do
-    for d in ${AB_DIRS:-.kernels}; do
+    for entry in ${AB_DIRS:-.kernels}; do
+      d=${entry%@*}; form=rule
+      [[ $entry == *@* ]] && form=${entry#*@}
       dir=$(kernel_dir "$d"); tag=$(dir_tag "$d")
+      [ "$form" = rule ] || tag="${tag}_$form"
       MOE_EXT_KERNEL_DIR=$dir MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_$tag.log" 2>&1
       name="ab_bench_${tag}_$round"
       step "$name" "${AB_STEP_SECONDS:-200}" python3 -m moe_ext.bench --shapes "${AB_SHAPES:-qwen3-30b-a3b,deepseek-v3-ep8}" \
         --tokens "${AB_TOKENS:-1,8,64}" --modes "${AB_MODES:-w4a16}" --finalize fused --impls moe_ext \
-        --tactic "${AB_BENCH_TACTIC:-default}" --iters 50 --max-seconds-per-point 1.0 \
+        --tactic "${AB_BENCH_TACTIC:-default}" --decode-form "$form" --iters 50 --max-seconds-per-point 1.0 \
         --energy-seconds "${AB_ENERGY_SECONDS:-0.5}" --out "$OUT/$name.json"
-      bench_summary "$OUT/$name.json" "$d round $round"
+      bench_summary "$OUT/$name.json" "$entry round $round"
     done
   done
   [ "$PARTS" = ab_bench ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1

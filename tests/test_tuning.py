@@ -745,3 +745,45 @@ def test_fused_decode_splits_gemm2_where_few_items_of_a_long_k_leave_the_grid_id
     assert not any(split(T, 8, 128, 128, 2048, 768) for T in (1, 2, 4, 8))  # Qwen3-30B-A3B
     assert not split(1, 8, 256, 256, 7168, 2048)  # DeepSeek-V3: 8 x 56 items
     assert not split(1, 1, 4, 4, 512, 896)  # 7 K steps: one range of 4 at most
+
+
+def test_finalists_are_the_few_near_the_fastest_of_long_forwards_only(monkeypatch):
+    """Prefill-length forwards: the candidates within the margin of the fastest sample, fastest first, at most
+    SUSTAINED_CANDIDATES of them; a decode-length forward gets none (its samples already time it as served)."""
+    from moe_ext import tuning
+
+    ms = 1e-3
+    timings = {(1,): 6.2 * ms, (2,): 5.8 * ms, (3,): 6.0 * ms, (4,): 6.5 * ms, (5,): 6.3 * ms, (6,): 5.9 * ms}
+    assert tuning.finalists(timings) == [(2,), (6,), (3,), (1,)]  # 6.5 is past 1.10 x 5.8; (5,) is the fifth
+    monkeypatch.setattr(tuning, "SUSTAINED_CANDIDATES", 8)
+    assert tuning.finalists(timings) == [(2,), (6,), (3,), (1,), (5,)]
+    short = {tactic: seconds / 100 for tactic, seconds in timings.items()}  # 58-65 µs
+    assert tuning.finalists(short) == []
+
+
+def test_long_forwards_are_picked_by_their_time_back_to_back(tuner, monkeypatch):
+    """A candidate that is fastest alone but slows down run after run (a power-capped card's clock under a tile
+    that draws more power) loses to one that holds its pace: the samples, which alternate the candidates, rank it
+    first, the back-to-back bursts second. A decode-length forward keeps the samples' pick."""
+    import time as _time
+
+    from moe_ext import tuning
+
+    monkeypatch.setattr(tuning, "SUSTAINED_WARM_S", 0.03)
+    monkeypatch.setattr(tuning, "SUSTAINED_TIMED_S", 0.03)
+    cost = {"seconds": 1e-3, "other": 1.05}  # (2,)'s pace against (1,)'s alone
+    streak = {"tactic": None, "runs": 0}
+
+    def run(tactic):
+        streak["runs"] = streak["runs"] + 1 if streak["tactic"] == tactic else 1
+        streak["tactic"] = tactic
+        hot = tactic == (1,) and streak["runs"] > 3  # (1,): 1.0x alone, 2.0x after three in a row
+        _time.sleep(cost["seconds"] * (2.0 if hot else 1.0 if tactic == (1,) else cost["other"]))
+
+    key = ("op", "prefill", 4096)
+    with autotune(True):
+        assert tuner.choose(key, [(1,), (2,)], (1,), lambda: ProfilingRun(run), torch.device("cpu")) == (2,)
+    cost.update(seconds=1e-4, other=1.5)  # both under SUSTAINED_MIN_S: no bursts, the samples decide
+    with autotune(True):
+        assert tuner.choose(("op", "decode", 1), [(1,), (2,)], (2,), lambda: ProfilingRun(run),
+                            torch.device("cpu")) == (1,)
