@@ -14,11 +14,6 @@ The unsplit variants (full and without GEMM2's items) give every GEMM1 weight ti
 fill the grid: against full / no_gemm2 they say how much of GEMM1's phase is a per-item cost (perf notes, session
 55: the scoping of a decode without the grid barrier, whose items would be longer).
 
-The three_ctas variant is the unsplit partials and fc2 forms on three CTAs an SM (80 registers, no spills; the
-partials one consumes a stage a wait), for `python3 -m moe_ext.bench --decode-form three_ctas` against
-the shipped build's `--decode-form rule`: does a third CTA an SM raise the consumption rate that bounds T=1 (perf
-notes, session 55)?
-
 The timeline variant is the full kernel, every form (split_gemm2, fc2_by_gemm1), writing each CTA's timeline
 (decode_fused.TIMELINE) past the barrier words; benchmarks/decode_timeline.py runs it and reads them:
 
@@ -41,25 +36,8 @@ VARIANTS = {
     # traced under TRACE_PATCHES' changes to decode_fused
     "unsplit": [dict(gemms=(True, True))],
     "no_gemm2_unsplit": [dict(gemms=(True, False))],
-    "three_ctas": [dict(), dict(fc2_by_gemm1=True)],
 }
 PHASES = "full,no_gemm2,no_gemm1,neither"
-
-
-@contextlib.contextmanager
-def three_ctas(decode_fused):
-    """The unsplit forms on stream.py's three-CTA config for 8-token tiles (80 registers), for `moe_ext.bench
-    --decode-form three_ctas`. The fc2 form fits them without spills; the partials form's looped ring spills 74
-    words at two stages a wait (19 accesses in the mainloop) and none at one (213 instructions a stage, 198 today)."""
-    configs = decode_fused.CONFIG, decode_fused.PARTIALS_CONFIG
-    three = decode_fused.replace(decode_fused.streaming.config_for(decode_fused.TOKENS, 1, True),
-                                 token_elems=configs[0].token_elems)
-    decode_fused.CONFIG = three
-    decode_fused.PARTIALS_CONFIG = decode_fused.replace(three, unroll_ring=False, stages_per_wait=1)
-    try:
-        yield
-    finally:
-        decode_fused.CONFIG, decode_fused.PARTIALS_CONFIG = configs
 
 
 @contextlib.contextmanager
@@ -74,7 +52,7 @@ def one_gemm1_range(decode_fused):
 
 
 # variant -> what it changes in decode_fused while its forms trace
-TRACE_PATCHES = {"unsplit": one_gemm1_range, "no_gemm2_unsplit": one_gemm1_range, "three_ctas": three_ctas}
+TRACE_PATCHES = {"unsplit": one_gemm1_range, "no_gemm2_unsplit": one_gemm1_range}
 
 
 def main():

@@ -186,12 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tactic", type=tactic_choice, default="tuned",
                         help="moe_ext's tactic: tuned (autotune on the first call), default (the heuristic's, no "
                              "tuning: for A/B runs of two kernel builds) or one given as integers, e.g. 16,1,2")
-    parser.add_argument("--decode-form", choices=("rule", "fc2", "partials", "shallow_ring", "split_gemm2",
-                                                  "three_ctas"), default="rule",
+    parser.add_argument("--decode-form", choices=("rule", "fc2", "partials", "shallow_ring", "split_gemm2"),
+                        default="rule",
                         help="FUSED_DECODE's kernel form: the launcher's rules, one form wherever the one-launch "
                              "forward runs, the rules without the deep-ring variant, GEMM2 split wherever the "
-                             "grid has room for two K ranges (A/Bs of the rules), or the unsplit forms on a grid of "
-                             "three CTAs an SM (needs their three-CTA builds: decode_phase_variants.py)")
+                             "grid has room for two K ranges (A/Bs of the rules)")
     parser.add_argument("--host-overhead", action="store_true",
                         help="instead of the sweep: host time of an eager wrapper.run at T=1 and the kernel nodes "
                              "of a captured forward, per shape, mode and finalize")
@@ -1020,12 +1019,8 @@ def force_decode_form(form: str) -> None:
     """--decode-form: "fc2" drops the rule's step floor, "partials" turns the fc2_by_gemm1 forms off,
     "shallow_ring" their deep-ring variant, "split_gemm2" drops decode_splits_gemm2's floor of K steps a range (the
     kernel still sizes its ranges by its own decode_fused.GEMM2_MIN_STEPS: a build with a lower one is what this
-    times), "three_ctas" the unsplit forms (partials or fc2 by the rule, no deep ring) on a cooperative grid of three
-    CTAs an SM (the linked objects must be their three-CTA builds, benchmarks/decode_phase_variants.py's three_ctas,
-    else the launch fails as too large to be co-resident). Refused when the form is not linked (the launcher would
-    run the other one)."""
-    needs = {"fc2": dict(fc2_by_gemm1=True), "partials": {}, "split_gemm2": dict(split_gemm2=True),
-             "three_ctas": dict(fc2_by_gemm1=True)}.get(form)
+    times). Refused when the form is not linked (the launcher would run the other one)."""
+    needs = {"fc2": dict(fc2_by_gemm1=True), "partials": {}, "split_gemm2": dict(split_gemm2=True)}.get(form)
     if needs is not None and not launcher.has_kernel(launcher.decode_kernel("swiglu", **needs)):
         raise SystemExit(f"--decode-form {form}: the launcher links no such decode objects (a build older than the "
                          "tree?)")
@@ -1037,9 +1032,6 @@ def force_decode_form(form: str) -> None:
         launcher.DECODE_DEEP_RING = False
     elif form == "split_gemm2":
         launcher.DECODE_GEMM2_MIN_STEPS = 1
-    elif form == "three_ctas":
-        launcher.DECODE_DEEP_RING = launcher.DECODE_SPLIT_GEMM2 = False
-        launcher.DECODE_CTAS_PER_SM = 3
 
 
 def main(argv: list[str] | None = None) -> int:

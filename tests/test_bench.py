@@ -385,24 +385,6 @@ def test_split_gemm2_form_takes_the_split_kernel_at_qwen3_t1(monkeypatch):
     assert bench.launcher.decode_kernel_for(problem) == "moe_decode_w4a16_swiglu_split2"
 
 
-def test_three_cta_form_runs_the_unsplit_forms_on_a_three_cta_grid(monkeypatch):
-    """--decode-form three_ctas: the rule picks partials or fc2 on the larger grid (Qwen3-30B-A3B T=1's weight tiles
-    then take 4 K ranges of 4 steps: partials), never the split or deep-ring forms (EP8 T=1 splits GEMM2 under the
-    rule), and the launcher sizes the cooperative grid for three CTAs an SM (the three-CTA builds' occupancy)."""
-    monkeypatch.setattr(bench.launcher, "has_kernel", lambda name: True)
-    monkeypatch.setattr(bench.launcher, "num_sms", lambda device: 132)
-    for name in ("DECODE_DEEP_RING", "DECODE_SPLIT_GEMM2", "DECODE_CTAS_PER_SM"):
-        monkeypatch.setattr(bench.launcher, name, getattr(bench.launcher, name))
-    ep8, deepseek_t8 = decode_problem(1, 8, 256, 32, 7168, 2048), decode_problem(8, 8, 256, 256, 7168, 2048)
-    assert bench.launcher.decode_kernel_for(ep8).endswith("_split2")
-    assert bench.launcher.decode_kernel_for(deepseek_t8).endswith("_ring6")
-    bench.force_decode_form("three_ctas")
-    assert bench.launcher.decode_kernel_for(decode_problem(1, 8, 128, 128, 2048, 768)) == "moe_decode_w4a16_swiglu"
-    assert bench.launcher.decode_kernel_for(ep8) == "moe_decode_w4a16_swiglu"
-    assert bench.launcher.decode_kernel_for(deepseek_t8) == "moe_decode_w4a16_swiglu_fc2"
-    assert bench.launcher.DECODE_CTAS_PER_SM * bench.launcher.num_sms(None) == 396
-
-
 def test_decode_form_is_refused_when_its_objects_are_not_linked(monkeypatch):
     monkeypatch.setattr(bench.launcher, "has_kernel", lambda name: not name.endswith("_fc2"))
     with pytest.raises(SystemExit, match="--decode-form fc2"):
