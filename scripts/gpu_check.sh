@@ -16,6 +16,8 @@
 #              with $AB_BENCH_TACTIC (default: the heuristic's, untuned), in interleaved rounds ($AB_ROUNDS), and
 #              each point's energy per forward over $AB_ENERGY_SECONDS (default 0.5 s) of replays (NVML's counter);
 #              each bench step is cut at $AB_STEP_SECONDS (default 200)
+#   tuner:     benchmarks/tuner_timings.py (the tuner's samples and sustained timings, then graph replays of its pick
+#              and the peers) at $TUNER_SHAPES x $TUNER_TOKENS (default DeepSeek-V3 and EP8 at T=4096)
 #   tactic_table: every valid tactic's cold whole forward at $TABLE_POINTS over $TABLE_DRAWS routing draws
 #              (benchmarks/tactic_table.py), and where the heuristic's tactic ranks: the data for retuning it
 #   fused_decode: tests/test_fused_decode.py, then whole forwards of the heuristic's tactic against FUSED_DECODE
@@ -248,6 +250,13 @@ elif [ "$PART" = tactic_table ]; then
   step tactic_table 560 python3 benchmarks/tactic_table.py --out "$OUT/tactic_table.json" \
     --draws "${TABLE_DRAWS:-5}" ${TABLE_POINTS:+--points "$TABLE_POINTS"}
   sed -n '/^shape /,$p' "$LOG/tactic_table.log" >> "$OUT/summary.txt"
+elif [ "$PART" = tuner ]; then  # what the tuner weighs (its samples, and its sustained timings of long forwards)
+  # and the graph replays of what it picked, at $TUNER_SHAPES x $TUNER_TOKENS, all three impls
+  step tuner 400 env PYTHONPATH="$PWD:$PWD/.offline/triton_kernels_v3.6" python3 benchmarks/tuner_timings.py \
+    --shapes "${TUNER_SHAPES:-deepseek-v3,deepseek-v3-ep8}" --tokens "${TUNER_TOKENS:-4096}" --modes w4a16 \
+    --finalize fused --impls moe_ext,torch_grouped_mm_bf16,triton_kernels_mxfp4 --iters 20 \
+    --max-seconds-per-point 1.0 --out "$OUT/tuned.json"
+  grep -E "timings|moe_ext " "$LOG/tuner.log" | cut -c1-300 >> "$OUT/summary.txt"
 elif [ "$PART" = routing_cost ]; then  # what the routing launch costs the decode forwards' critical path
   step routing_cost 300 python3 benchmarks/routing_cost.py --out "$OUT/routing_cost.json" \
     ${ROUTING_POINTS:+--points "$ROUTING_POINTS"}
