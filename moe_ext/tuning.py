@@ -219,17 +219,7 @@ def profile(run: Callable[[Tactic], None], tactics: Sequence[Tactic], device: to
     def sample(tactic) -> float:
         if flush is not None:
             flush()
-        if device.type != "cuda":
-            start = time.perf_counter()
-            run(tactic)
-            return time.perf_counter() - start
-        stream = torch.cuda.current_stream(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        graphs[tactic].replay() if tactic in graphs else run(tactic)
-        end.record(stream)
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return elapsed(device, graphs[tactic].replay if tactic in graphs else functools.partial(run, tactic))
 
     cycle = max(1, len(routings))
     samples = {tactic: [[] for _ in range(cycle)] for tactic in tactics}
@@ -275,21 +265,24 @@ def sustained(run: Callable[[Tactic], None], estimates: dict, device: torch.devi
             for _ in range(math.ceil(SUSTAINED_WARM_S / estimates[tactic])):
                 run(tactic)
             runs = max(3, math.ceil(SUSTAINED_TIMED_S / estimates[tactic]))
-            if device.type != "cuda":
-                start = time.perf_counter()
-                for _ in range(runs):
-                    run(tactic)
-                per_round[tactic].append((time.perf_counter() - start) / runs)
-                continue
-            stream = torch.cuda.current_stream(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            for _ in range(runs):
-                run(tactic)
-            end.record(stream)
-            end.synchronize()
-            per_round[tactic].append(start.elapsed_time(end) / 1e3 / runs)
+            burst = elapsed(device, lambda: [run(tactic) for _ in range(runs)])
+            per_round[tactic].append(burst / runs)
     return {tactic: statistics.fmean(seconds) for tactic, seconds in per_round.items()}
+
+
+def elapsed(device: torch.device, body: Callable[[], object]) -> float:
+    """Seconds `body()` takes: between CUDA events on the current stream on a GPU, else by the host's clock."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        body()
+        return time.perf_counter() - start
+    stream = torch.cuda.current_stream(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    body()
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 @contextlib.contextmanager
