@@ -787,3 +787,18 @@ def test_long_forwards_are_picked_by_their_time_back_to_back(tuner, monkeypatch)
     with autotune(True):
         assert tuner.choose(("op", "decode", 1), [(1,), (2,)], (2,), lambda: ProfilingRun(run),
                             torch.device("cpu")) == (1,)
+
+
+def test_sustained_bursts_rotate_the_candidates_and_the_routings(monkeypatch):
+    """Each round sets its stand-in routing, then runs every candidate as a warm-up burst followed by a timed one
+    (sized from its sampled time), the candidates' order rotating from round to round."""
+    from moe_ext import tuning
+
+    monkeypatch.setattr(tuning, "SUSTAINED_WARM_S", 1.0)  # over sampled times of 0.5 s: 2 runs, then 3 timed
+    monkeypatch.setattr(tuning, "SUSTAINED_TIMED_S", 1.5)
+    events = []
+    routings = [lambda: events.append("routing 0"), lambda: events.append("routing 1")]
+    timings = tuning.sustained(events.append, {(1,): 0.5, (2,): 0.5}, torch.device("cpu"), routings)
+    burst = lambda tactic: [tactic] * (2 + 3)  # noqa: E731 (2 warm-up runs, 3 timed)
+    assert events == ["routing 0", *burst((1,)), *burst((2,)), "routing 1", *burst((2,)), *burst((1,))]
+    assert set(timings) == {(1,), (2,)}
