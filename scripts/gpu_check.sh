@@ -16,6 +16,8 @@
 #              with $AB_BENCH_TACTIC (default: the heuristic's, untuned), in interleaved rounds ($AB_ROUNDS), and
 #              each point's energy per forward over $AB_ENERGY_SECONDS (default 0.5 s) of replays (NVML's counter);
 #              each bench step is cut at $AB_STEP_SECONDS (default 200)
+#   decode_boundary: whole forwards of the heuristic's tactic and the tuner's at $DECODE_SHAPES x $DECODE_TOKENS
+#              (default T = 2, 3, 4, 6, 8), $AB_ROUNDS interleaved rounds: where the one-launch decode should stop
 #   tuner:     benchmarks/tuner_timings.py (the tuner's samples and sustained timings, then graph replays of its pick
 #              and the peers) at $TUNER_SHAPES x $TUNER_TOKENS (default DeepSeek-V3 and EP8 at T=4096)
 #   tactic_table: every valid tactic's cold whole forward at $TABLE_POINTS over $TABLE_DRAWS routing draws
@@ -250,6 +252,17 @@ elif [ "$PART" = tactic_table ]; then
   step tactic_table 560 python3 benchmarks/tactic_table.py --out "$OUT/tactic_table.json" \
     --draws "${TABLE_DRAWS:-5}" ${TABLE_POINTS:+--points "$TABLE_POINTS"}
   sed -n '/^shape /,$p' "$LOG/tactic_table.log" >> "$OUT/summary.txt"
+elif [ "$PART" = decode_boundary ]; then  # the heuristic (the one-launch decode up to its boundary) against the
+  # tuner's pick (mostly the chain at T=8 in session 56) at small T: the data to refit default_tactic's FUSED_DECODE rule
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    for tactic in default tuned; do
+      name="decode_boundary_${tactic}_$round"
+      step "$name" 200 python3 -m moe_ext.bench --shapes "${DECODE_SHAPES:-$SHAPES}" --tokens "${DECODE_TOKENS:-2,3,4,6,8}" \
+        --modes w4a16 --finalize fused --impls moe_ext --tactic "$tactic" --iters 50 --max-seconds-per-point 1.0 \
+        --energy-seconds 0 --out "$OUT/$name.json"
+      bench_summary "$OUT/$name.json" "$tactic round $round"
+    done
+  done
 elif [ "$PART" = tuner ]; then  # what the tuner weighs (its samples, and its sustained timings of long forwards)
   # and the graph replays of what it picked, at $TUNER_SHAPES x $TUNER_TOKENS, all three impls
   step tuner 400 env PYTHONPATH="$PWD:$PWD/.offline/triton_kernels_v3.6" python3 benchmarks/tuner_timings.py \
