@@ -126,6 +126,19 @@ bench_summary() {  # bench_summary JSON LABEL: one summary line of a bench recor
     + (f\" ({r['energy_mj']:.1f} mJ)\" if 'energy_mj' in r else '')
     for r in json.load(open(sys.argv[1])) if 'us' in r))" "$1" "$2" >> "$OUT/summary.txt"
 }
+decode_rounds() {  # decode_rounds NAME OPTION VALUES TOKENS [ARG ...]: $AB_ROUNDS interleaved rounds of whole forwards
+  # (w4a16, fused, graph replays; ARGs to bench) at $DECODE_SHAPES x ${DECODE_TOKENS:-TOKENS}, a run a value of OPTION
+  local name=$1 option=$2 values=$3 tokens=$4 round value run; shift 4
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    for value in $values; do
+      run="${name}_${value}_$round"
+      step "$run" 200 python3 -m moe_ext.bench --shapes "${DECODE_SHAPES:-$SHAPES}" --tokens "${DECODE_TOKENS:-$tokens}" \
+        --modes w4a16 --finalize fused --impls moe_ext "$@" "$option" "$value" --iters 50 \
+        --max-seconds-per-point 1.0 --energy-seconds 0 --out "$OUT/$run.json"
+      bench_summary "$OUT/$run.json" "$value round $round"
+    done
+  done
+}
 for PART in $PARTS; do
 echo "== $PART" >> "$OUT/summary.txt"
 if [ "$PART" = tests ]; then
@@ -239,30 +252,14 @@ elif [ "$PART" = fused_decode ]; then  # the one-launch small-T forward: its tes
     done
   done
 elif [ "$PART" = decode_forms ]; then  # launcher.decode_fc2_by_gemm1's rule against each form it chooses from
-  for round in $(seq "${AB_ROUNDS:-2}"); do
-    for form in ${DECODE_FORMS:-fc2 partials}; do
-      name="decode_form_${form}_$round"
-      step "$name" 200 python3 -m moe_ext.bench --shapes "${DECODE_SHAPES:-$SHAPES}" --tokens "${DECODE_TOKENS:-1,2,4,8}" \
-        --modes w4a16 --finalize fused --impls moe_ext --tactic default --decode-form "$form" --iters 50 \
-        --max-seconds-per-point 1.0 --energy-seconds 0 --out "$OUT/$name.json"
-      bench_summary "$OUT/$name.json" "$form round $round"
-    done
-  done
+  decode_rounds decode_form --decode-form "${DECODE_FORMS:-fc2 partials}" 1,2,4,8 --tactic default
 elif [ "$PART" = tactic_table ]; then
   step tactic_table 560 python3 benchmarks/tactic_table.py --out "$OUT/tactic_table.json" \
     --draws "${TABLE_DRAWS:-5}" ${TABLE_POINTS:+--points "$TABLE_POINTS"}
   sed -n '/^shape /,$p' "$LOG/tactic_table.log" >> "$OUT/summary.txt"
 elif [ "$PART" = decode_boundary ]; then  # the heuristic (the one-launch decode up to its boundary) against the
   # tuner's pick (mostly the chain at T=8 in session 56) at small T: the data to refit default_tactic's FUSED_DECODE rule
-  for round in $(seq "${AB_ROUNDS:-2}"); do
-    for tactic in default tuned; do
-      name="decode_boundary_${tactic}_$round"
-      step "$name" 200 python3 -m moe_ext.bench --shapes "${DECODE_SHAPES:-$SHAPES}" --tokens "${DECODE_TOKENS:-2,3,4,6,8}" \
-        --modes w4a16 --finalize fused --impls moe_ext --tactic "$tactic" --iters 50 --max-seconds-per-point 1.0 \
-        --energy-seconds 0 --out "$OUT/$name.json"
-      bench_summary "$OUT/$name.json" "$tactic round $round"
-    done
-  done
+  decode_rounds decode_boundary --tactic "default tuned" 2,3,4,6,8
 elif [ "$PART" = tuner ]; then  # what the tuner weighs (its samples, and its sustained timings of long forwards)
   # and the graph replays of what it picked, at $TUNER_SHAPES x $TUNER_TOKENS, all three impls
   step tuner 400 env PYTHONPATH="$PWD:$PWD/.offline/triton_kernels_v3.6" python3 benchmarks/tuner_timings.py \
