@@ -340,13 +340,14 @@ PERSISTENT_TILE = 16
 DEFAULT_FUSED_DECODE = True
 # GEMM1 weight tiles an SM (expected: 8-token routing tiles, routing.expected_tiles, x n1 / 128) up to which the
 # default takes FUSED_DECODE, unless GEMM2's few long items would idle its grid (default_tactic's
-# `decode_gemm2_idle`). Sessions 35-36 (H200) had it 0.98x and below from 3.4 tiles an SM; since session 42's
-# per-tile GEMM2 waits, graph replays against the kernel chain (H100, h100_session43_checks.md and
-# h100_session44_checks.md; two rounds up to T=8, one at T=16 and 32): Mixtral T = 1 / 2 / 4 / 8 / 16
-# (3.4 / 5.9 / 9.3 / 12.2 / 13.5 tiles an SM) 1.28 / 1.15 / 1.02 / 1.02 / 1.06x, DeepSeek-V3 T = 2 / 4 (3.8 / 7.4)
-# 1.24 / 1.03x, gpt-oss-120b T = 4 / 8 / 16 (5.2 / 9.8 / 17.4) 1.03-1.11 / 1.06 / 1.04x, Qwen3-30B-A3B T=8 (4.7)
-# 1.06x; DeepSeek-V3 T=8 (13.9) 1.00x; Mixtral T=32 (19.1: its experts average 8 rows, 1.4 tiles each) 0.84x.
-FUSED_DECODE_TILES_PER_SM = 18
+# `decode_gemm2_idle`). Fitted at 18 on an H100 in sessions 43-44 (the one-launch forward 1.02-1.28x at 3.4-17.4
+# tiles an SM, 0.84x at 19.1). The token slabs (sessions 50-51) then made the chain 1.02-1.14x faster, and 7 is
+# where the tuner's w4a16 picks split since. On the H100 (h100_session54_quant_decode_t*.json) it kept FUSED_DECODE
+# at 0.5-5.9 tiles an SM (Mixtral T=2, DeepSeek-V3 T=2, Qwen3 T = 2-8, EP8 T = 2 / 4) and took a chain at 7.4+
+# (DeepSeek-V3 T = 4 / 8, Mixtral T = 4 / 8 / 16; gpt-oss-120b already from 2.7). On the H200 (session56_checks.md)
+# the tuned chain beat the one-launch forward at T=8 on every shape: 1.11-1.22x at 10-13.9 tiles an SM (gpt-oss-120b,
+# Mixtral, DeepSeek-V3), and 1.05x / 1.15x at 1.7 / 4.7 (DeepSeek-V3 EP8, Qwen3), which 7 still leaves on FUSED_DECODE.
+FUSED_DECODE_TILES_PER_SM = 7
 # GEMM1 CTAs an SM (expected, on 8-token tiles) from which the default tactic takes 16-token tiles instead: with its
 # ring unrolled the 16-token mainloop (three CTAs an SM) beat the 8-token default by 1.02-1.06x at T = 8-64 on five
 # shapes (5.8-62 CTAs an SM: the tactic table and replay A/Bs, h200_session31_checks.md). Below (T = 1, EP8 T=8:
@@ -550,7 +551,7 @@ def default_tactic(num_tokens: int, top_k: int, num_experts: int, num_local_expe
     (routing.expected_tiles on 8-token tiles x n1 / 128) fit one an SM (so its K splits at least in two across the
     two-CTA grid), it takes FUSED_DECODE: Qwen3-30B-A3B T=1 1.36x, DeepSeek-V3 EP8 T = 1 / 2 / 4 1.25 / 1.74 /
     1.68x in graph replays (h200_session35_checks.md); and up to
-    FUSED_DECODE_TILES_PER_SM tiles an SM where GEMM2's expected items do not leave the grid idle
+    FUSED_DECODE_TILES_PER_SM (7) tiles an SM where GEMM2's expected items do not leave the grid idle
     (`decode_gemm2_idle`: decode_splits_gemm2 would split them and the split form is not taken; gpt-oss-120b T=1,
     4 experts x 23 hidden tiles of 23 K steps, ran 0.90x unsplit). The backend asks for it only under
     DEFAULT_FUSED_DECODE.

@@ -590,12 +590,13 @@ def test_the_default_flush_reads_twice_the_l2_and_writes_nothing(monkeypatch):
     assert len(flushes) == 2
 
 
-def test_hopper_default_tactic_takes_the_fused_decode_up_to_eighteen_gemm1_tiles_an_sm():
+def test_hopper_default_tactic_takes_the_fused_decode_up_to_seven_gemm1_tiles_an_sm():
     """FUSED_DECODE where it runs and GEMM1's expected weight tiles fit one an SM (measured 1.25-1.74x there), and up
-    to eighteen an SM unless GEMM2's few long items would idle the grid unsplit (gpt-oss-120b T=1 0.90x unsplit):
-    1.02-1.28x at 3.4-17.4 tiles an SM, 1.00x at 13.9, 0.84x at 19.1 (launcher.FUSED_DECODE_TILES_PER_SM,
-    h100_session43_checks.md, h100_session44_checks.md). Tiles count an expert's 8-token routing tiles, not just
-    whether it is hit: Mixtral's experts average 8 rows at T=32.
+    to seven an SM unless GEMM2's few long items would idle the grid unsplit (gpt-oss-120b T=1 0.90x unsplit). Seven
+    is where the tuner's picks split since the token slabs sped the chain up: it kept the one-launch forward at
+    0.5-5.9 tiles an SM and took a chain at 7.4 and more (H100), and the chain won at T=8 on every shape on the H200,
+    1.11-1.22x at 10-13.9 tiles an SM (launcher.FUSED_DECODE_TILES_PER_SM). Tiles count an expert's 8-token routing
+    tiles, not just whether it is hit: Mixtral's experts average 8 rows at T=32.
     """
     from moe_ext import launcher
 
@@ -608,21 +609,23 @@ def test_hopper_default_tactic_takes_the_fused_decode_up_to_eighteen_gemm1_tiles
     assert default(1, 8, 128, 128, 1536, 2048, fits=False) != fused  # deterministic finalize, w4a4, ...
     assert default(2, 8, 128, 128, 1536, 2048) == fused  # ~15.5 experts x 12
     assert default(4, 8, 128, 128, 1536, 2048) == fused  # ~29 x 12
-    assert default(8, 8, 128, 128, 1536, 2048) == fused  # ~52 x 12 (4.7 an SM): 1.06x
+    assert default(8, 8, 128, 128, 1536, 2048) == fused  # ~52 x 12 (4.7 an SM): the H100's tuner kept it
     assert default(4, 8, 256, 32, 4096, 7168) == fused  # DeepSeek-V3 EP8 T=4: ~3.8 local experts x 32
     assert default(8, 8, 256, 32, 4096, 7168) == fused  # ~7.1 x 32
     assert default(2, 8, 256, 256, 4096, 7168) == fused  # DeepSeek-V3 T=2: ~15.5 x 32 (3.8 an SM): 1.24x
-    assert default(8, 8, 256, 256, 4096, 7168) == fused  # T=8: ~57 x 32 (13.9 an SM): 1.00x
+    assert default(4, 8, 256, 256, 4096, 7168) == (16, 1, 1)  # T=4: ~30.5 x 32 (7.4 an SM): the H100's tuner
+    assert default(8, 8, 256, 256, 4096, 7168) == (16, 1, 1)  # T=8: ~57 x 32 (13.9 an SM): H200 1.22x
     assert default(2, 4, 128, 128, 5760, 2880) == fused  # gpt-oss-120b T=2: ~7.9 x 45
     assert default(4, 4, 128, 128, 5760, 2880) == fused  # T=4: ~15.2 x 45 (5.2 an SM)
-    assert default(16, 4, 128, 128, 5760, 2880) == fused  # T=16: ~51 x 45 (17.4 an SM): 1.04x
+    assert default(8, 4, 128, 128, 5760, 2880) != fused  # T=8: ~28.5 x 45 (9.7 an SM): H200 1.11x
+    assert default(16, 4, 128, 128, 5760, 2880) != fused  # T=16: ~51 x 45 (17.4 an SM)
     assert default(1, 4, 128, 128, 5760, 2880, idle=True) != fused  # T=1: 4 x 45, GEMM2 4 x 23 items: 0.90x
     assert default(1, 4, 128, 128, 5760, 2880) == fused  # ... where its split form takes GEMM2 (40.6 vs 41.0 us)
     assert default(1, 8, 256, 32, 4096, 7168, idle=True) == fused  # EP8 T=1 (one tile an SM): 1.25x even unsplit
     assert default(1, 2, 8, 8, 28672, 4096) == fused  # Mixtral T=1: 2 x 224 (3.4 an SM): 1.28x
-    assert default(8, 2, 8, 8, 28672, 4096) == fused  # T=8: ~7.2 x 224 (12.2 an SM): 1.03x
-    assert default(16, 2, 8, 8, 28672, 4096) == fused  # T=16: ~8 x 224 (13.5 an SM): 1.06x
-    assert default(32, 2, 8, 8, 28672, 4096) != fused  # T=32: ~11.2 tiles x 224 (19.1 an SM), 8 experts: 0.84x
+    assert default(2, 2, 8, 8, 28672, 4096) == fused  # T=2: ~3.5 x 224 (5.9 an SM): the H100's tuner kept it
+    assert default(4, 2, 8, 8, 28672, 4096) != fused  # T=4: ~5.5 x 224 (9.3 an SM): the H100's tuner took a chain
+    assert default(8, 2, 8, 8, 28672, 4096) != fused  # T=8: ~7.2 x 224 (12.2 an SM): H200 1.18x
     assert default(64, 1, 4096, 4096, 128, 128) == fused  # 64 (token, expert) pairs fit the kernel's routing ...
     assert default(72, 1, 4096, 4096, 128, 128) != fused  # ... 72 do not
 
