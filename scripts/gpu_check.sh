@@ -16,8 +16,9 @@
 #              with $AB_BENCH_TACTIC (default: the heuristic's, untuned), in interleaved rounds ($AB_ROUNDS), and
 #              each point's energy per forward over $AB_ENERGY_SECONDS (default 0.5 s) of replays (NVML's counter);
 #              each bench step is cut at $AB_STEP_SECONDS (default 200)
-#   decode_boundary: whole forwards of the heuristic's tactic and the tuner's at $DECODE_SHAPES x $DECODE_TOKENS
-#              (default T = 2, 3, 4, 6, 8), $AB_ROUNDS interleaved rounds: where the one-launch decode should stop
+#   decode_boundary: whole forwards of FUSED_DECODE (8,-3,-3), the heuristic's tactic and the tuner's at
+#              $DECODE_SHAPES x $DECODE_TOKENS (default T = 2, 3, 4, 6, 8), $AB_ROUNDS interleaved rounds: where
+#              the one-launch decode should stop
 #   tuner:     benchmarks/tuner_timings.py (the tuner's samples and sustained timings, then graph replays of its pick
 #              and the peers) at $TUNER_SHAPES x $TUNER_TOKENS (default DeepSeek-V3 and EP8 at T=4096)
 #   tactic_table: every valid tactic's cold whole forward at $TABLE_POINTS over $TABLE_DRAWS routing draws
@@ -131,7 +132,7 @@ decode_rounds() {  # decode_rounds NAME OPTION VALUES TOKENS [ARG ...]: $AB_ROUN
   local name=$1 option=$2 values=$3 tokens=$4 round value run; shift 4
   for round in $(seq "${AB_ROUNDS:-2}"); do
     for value in $values; do
-      run="${name}_${value}_$round"
+      run="${name}_${value//[,-]/_}_$round"
       step "$run" 200 python3 -m moe_ext.bench --shapes "${DECODE_SHAPES:-$SHAPES}" --tokens "${DECODE_TOKENS:-$tokens}" \
         --modes w4a16 --finalize fused --impls moe_ext "$@" "$option" "$value" --iters 50 \
         --max-seconds-per-point 1.0 --energy-seconds 0 --out "$OUT/$run.json"
@@ -242,24 +243,16 @@ elif [ "$PART" = ab_bench ]; then  # what per-kernel sums miss: gaps between ker
 elif [ "$PART" = fused_decode ]; then  # the one-launch small-T forward: its tests, then whole forwards (graph
   # replays) with the heuristic's tactic and with FUSED_DECODE, in interleaved rounds ($DECODE_SHAPES x $DECODE_TOKENS)
   tests_step pytest_fused_decode 240 tests/test_fused_decode.py -rs
-  for round in $(seq "${AB_ROUNDS:-2}"); do
-    for t in default 8,-3,-3; do
-      name="fused_decode_${t//[,-]/_}_$round"
-      step "$name" 200 python3 -m moe_ext.bench --shapes "${DECODE_SHAPES:-$SHAPES}" --tokens "${DECODE_TOKENS:-1,2,4,8}" \
-        --modes w4a16 --finalize fused --impls moe_ext --tactic "$t" --iters 50 --max-seconds-per-point 1.0 \
-        --energy-seconds 0 --out "$OUT/$name.json"
-      bench_summary "$OUT/$name.json" "$t round $round"
-    done
-  done
+  decode_rounds fused_decode --tactic "default 8,-3,-3" 1,2,4,8
 elif [ "$PART" = decode_forms ]; then  # launcher.decode_fc2_by_gemm1's rule against each form it chooses from
   decode_rounds decode_form --decode-form "${DECODE_FORMS:-fc2 partials}" 1,2,4,8 --tactic default
 elif [ "$PART" = tactic_table ]; then
   step tactic_table 560 python3 benchmarks/tactic_table.py --out "$OUT/tactic_table.json" \
     --draws "${TABLE_DRAWS:-5}" ${TABLE_POINTS:+--points "$TABLE_POINTS"}
   sed -n '/^shape /,$p' "$LOG/tactic_table.log" >> "$OUT/summary.txt"
-elif [ "$PART" = decode_boundary ]; then  # the heuristic (the one-launch decode up to its boundary) against the
-  # tuner's pick (mostly the chain at T=8 in session 56) at small T: the data to refit default_tactic's FUSED_DECODE rule
-  decode_rounds decode_boundary --tactic "default tuned" 2,3,4,6,8
+elif [ "$PART" = decode_boundary ]; then  # the one-launch decode, the heuristic (it up to its boundary, a chain past
+  # it) and the tuner's pick (mostly the chain at T=8 in session 56) at small T: the data for default_tactic's rule
+  decode_rounds decode_boundary --tactic "8,-3,-3 default tuned" 2,3,4,6,8
 elif [ "$PART" = tuner ]; then  # what the tuner weighs (its samples, and its sustained timings of long forwards)
   # and the graph replays of what it picked, at $TUNER_SHAPES x $TUNER_TOKENS, all three impls
   step tuner 400 env PYTHONPATH="$PWD:$PWD/.offline/triton_kernels_v3.6" python3 benchmarks/tuner_timings.py \
