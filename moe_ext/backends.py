@@ -14,7 +14,7 @@ import torch
 from .problem import MoEProblem
 from .reference import reference_moe
 from .routing import compute_routing
-from .tuning import AutoTuner, ProfilingRun, Tactic, token_bucket
+from .tuning import AutoTuner, ProfilingRun, Tactic, device_signature, token_bucket
 from .workspace import MoEWorkspace
 
 
@@ -180,9 +180,9 @@ def backend_for(problem: MoEProblem):
 
 
 def op_key(problem: MoEProblem, backend, op: str) -> tuple:
-    """Tuning-cache key: op, backend, quant mode, activation parameters, finalize, shapes (experts in all and local:
-    they set the load a rank's experts see) and the token bucket."""
-    return (op, backend.name, problem.quant_mode, problem.activation.cache_key(),
+    """Tuning-cache key: op, backend, the card (tuning.device_signature), quant mode, activation parameters,
+    finalize, shapes (experts in all and local: they set the load a rank's experts see) and the token bucket."""
+    return (op, backend.name, device_signature(problem.device), problem.quant_mode, problem.activation.cache_key(),
             problem.per_token_scale is not None, problem.use_fused_finalize, problem.shards is not None,
             problem.localized_allow_nonlocalized,
             problem.hidden_size, problem.intermediate_size, problem.num_experts, problem.num_local_experts,

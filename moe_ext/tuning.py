@@ -15,6 +15,7 @@ import os
 import statistics
 import threading
 import time
+import warnings
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -167,7 +168,10 @@ class AutoTuner:
             return
         with open(path) as f:
             data = json.load(f)
-        if data.get("version") != 1:
+        if data.get("version") == 1:
+            warnings.warn(f"{path}: a version 1 tuning cache (keys without the card); its points will retune")
+            return
+        if data.get("version") != CACHE_VERSION:
             raise ValueError(f"{path}: unknown tuning cache version {data.get('version')!r}")
         for entry in data["entries"]:
             self.cache[entry["key"]] = tuple(entry["tactic"])
@@ -176,8 +180,28 @@ class AutoTuner:
         entries = [{"key": k, "tactic": list(v)} for k, v in sorted(self.cache.items())]
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"version": 1, "entries": entries}, f, indent=1)
+            json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1)
         os.replace(tmp, path)
+
+
+# The cache file's format. Version 2 keys carry the card (device_signature): version 1 entries, keyed without it,
+# are dropped on load, and those points retune.
+CACHE_VERSION = 2
+
+
+def device_signature(device: torch.device) -> tuple:
+    """The card a tactic is tuned on, for the cache key: its name and SM count. The fastest tactic differs between
+    Hopper parts (session 56-57: at T=8 the H100's tuner kept the one-launch decode at Qwen3-30B-A3B, which the
+    H200 runs 1.15x slower than the chain), and a cache file may move between machines."""
+    if device.type != "cuda":
+        return (device.type,)
+    return _cuda_signature(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_signature(index: int) -> tuple:
+    props = torch.cuda.get_device_properties(index)
+    return (props.name, props.multi_processor_count)
 
 
 def l2_bytes(device: torch.device) -> int:

@@ -62,10 +62,41 @@ def test_cache_file_persists_across_restarts(tuner, tmp_path):
     with autotune(True, cache=path):
         tuner.choose(("k", 1), [(3,), (4,)], (4,), lambda: ProfilingRun(lambda t: None), torch.device("cpu"))
     data = json.loads(path.read_text())
-    assert data["version"] == 1 and len(data["entries"]) == 1
+    assert data["version"] == 2 and len(data["entries"]) == 1
     tuner.cache.clear()
     with autotune(False, cache=path):
         assert tuner.lookup(("k", 1)) in ((3,), (4,))
+
+
+def test_a_version_1_cache_file_is_dropped_with_a_warning_and_rewritten(tuner, tmp_path):
+    """Version 1 keys have no card in them: their points retune rather than reuse another card's picks."""
+    path = tmp_path / "tactics.json"
+    path.write_text(json.dumps({"version": 1, "entries": [{"key": repr(("k", 1)), "tactic": [3]}]}))
+    with pytest.warns(UserWarning, match="version 1 tuning cache"):
+        with autotune(False, cache=path):
+            assert tuner.lookup(("k", 1)) is None
+    assert json.loads(path.read_text()) == {"version": 2, "entries": []}
+    path.write_text(json.dumps({"version": 7, "entries": []}))
+    with pytest.raises(ValueError, match="unknown tuning cache version 7"):
+        tuner.load(str(path))
+
+
+def test_key_separates_cards(monkeypatch):
+    """The same layer and bucket on an H100 and an H200 are two cache entries (their fastest tactics differ)."""
+    from moe_ext import tuning
+
+    problem = build_problem(**make_case("w4a16", num_tokens=5).kwargs())
+    on_cpu = op_key(problem, moe_ext.backends.REFERENCE, "op")
+    assert on_cpu[2] == ("cpu",)
+    cards = {0: ("NVIDIA H100 80GB HBM3", 132), 1: ("NVIDIA H200", 132)}
+    monkeypatch.setattr(tuning, "_cuda_signature", cards.get)
+    assert [tuning.device_signature(torch.device("cuda", i)) for i in cards] == list(cards.values())
+    keys = set()
+    for card in cards.values():
+        monkeypatch.setattr(moe_ext.backends, "device_signature", lambda device, card=card: card)
+        keys.add(op_key(problem, moe_ext.backends.REFERENCE, "op"))
+    assert len(keys) == 2 and on_cpu not in keys
+    assert {k[:2] + k[3:] for k in keys} == {on_cpu[:2] + on_cpu[3:]}  # the card is all that differs
 
 
 def test_key_separates_quant_mode_activation_and_bucket():
