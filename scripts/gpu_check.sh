@@ -11,6 +11,8 @@
 #              (wgmma-heavy kernel tests, or $AB_CHECK_FILE -k $AB_CHECK_K) each directory of $AB_DIRS, then
 #              reinstall $MOE_EXT_KERNEL_DIR (unless alone);
 #              an entry "BASE+OVERLAY" of $AB_DIRS (both parts) is BASE with the objects of folder OVERLAY over it
+#   ab_routing: the routing tests, then the routing launches alone (benchmarks/bench_routing.py, $AB_ROUNDS runs), of
+#              each build of $AB_DIRS
 #   ab_bench:  whole forwards (graph replays, fused; $AB_MODES, default w4a16) of each directory of $AB_DIRS at
 #              $AB_SHAPES x $AB_TOKENS (an entry "DIR@FORM" runs bench's --decode-form FORM, default rule)
 #              with $AB_BENCH_TACTIC (default: the heuristic's, untuned), in interleaved rounds ($AB_ROUNDS), and
@@ -260,6 +262,20 @@ elif [ "$PART" = tuner ]; then  # what the tuner weighs (its samples, and its su
     --finalize fused --impls moe_ext,torch_grouped_mm_bf16,triton_kernels_mxfp4 --iters 20 \
     --max-seconds-per-point 1.0 --out "$OUT/tuned.json"
   grep -E "timings|moe_ext " "$LOG/tuner.log" | cut -c1-300 >> "$OUT/summary.txt"
+elif [ "$PART" = ab_routing ]; then  # AB_DIRS (e.g. ".kernels .kernels+.kernels_route"): each build's routing tests
+  # and its routing launches alone (benchmarks/bench_routing.py at $ROUTING_TOKENS), $AB_ROUNDS runs a build (a launch
+  # of microseconds is not power-capped: one install a build, rounds back to back)
+  for d in ${AB_DIRS:-.kernels}; do
+    dir=$(kernel_dir "$d"); tag=$(dir_tag "$d")
+    MOE_EXT_KERNEL_DIR=$dir MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install_$tag.log" 2>&1
+    tests_step "pytest_routing_$tag" 200 tests/test_routing_kernel.py -rs
+    for round in $(seq "${AB_ROUNDS:-2}"); do
+      step "routing_${tag}_$round" 200 python3 benchmarks/bench_routing.py \
+        --tokens "${ROUTING_TOKENS:-1,64,1024,4096,16384}" --out "$OUT/routing_${tag}_$round.json"
+      grep -E "T=(1|4096|16384) " "$LOG/routing_${tag}_$round.log" | sed "s/^/$tag $round: /" >> "$OUT/summary.txt"
+    done
+  done
+  [ "$PARTS" = ab_routing ] || MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > /dev/null 2>&1
 elif [ "$PART" = routing_cost ]; then  # what the routing launch costs the decode forwards' critical path
   step routing_cost 300 python3 benchmarks/routing_cost.py --out "$OUT/routing_cost.json" \
     ${ROUTING_POINTS:+--points "$ROUTING_POINTS"}
