@@ -39,6 +39,7 @@ CONFIG = RoutingConfig()
 WARP = 32
 DECODE_FORMATS = ("nvfp4", "mxfp8", "bf16")
 DECODE_VALUES = 16  # activation values a decode thread converts
+BATCH = 8  # slots a routing thread has in flight in each pass over them
 
 
 def allocate_counters():
@@ -54,12 +55,15 @@ def route(ids: cute.Tensor, num_experts: Int32, offset: Int32, tile: Int32, expe
           expert_offsets: cute.Tensor, expanded_to_permuted: cute.Tensor, permuted_to_expanded: cute.Tensor,
           tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
           counts: cute.Tensor, starts: cute.Tensor):
-    """The whole routing, by one CTA of CONFIG.threads threads."""
+    """The whole routing, by one CTA of CONFIG.threads threads. Both passes over the slots keep BATCH of a thread's
+    loads in flight (one slot at a time, each pass was a chain of dependent round trips: 48 µs at DeepSeek-V3
+    T=4096, h200_routing.md), and warp 0 scans the experts in one pass, a run of them a lane."""
     threads = CONFIG.threads
     tid, _, _ = cute.arch.thread_idx()
     lane = cute.arch.lane_idx()
     warp = cute.arch.warp_idx()
     num_slots = cute.size(ids)
+    last_slot = num_slots - 1
 
     for e in cutlass.range(tid, num_experts, threads):
         counts[e] = Int32(0)
@@ -67,39 +71,45 @@ def route(ids: cute.Tensor, num_experts: Int32, offset: Int32, tile: Int32, expe
     cute.arch.griddepcontrol_wait()
     cute.arch.sync_threads()
 
-    # Count per expert; park each slot's rank inside its expert in the output map.
-    for s in cutlass.range(tid, num_slots, threads):
-        local = ids[s] - offset
-        rank = Int32(-1)
-        if local >= 0 and local < num_experts:
-            rank = cute.arch.atomic_add((counts.iterator + local).llvm_ptr, Int32(1), scope="cta")
-        expanded_to_permuted[s] = rank
+    # Count per expert; park each slot's rank inside its expert in the output map. Past the last slot a thread loads
+    # the last one (in bounds) and drops it.
+    for base in cutlass.range(0, num_slots, threads * BATCH):
+        local = [ids[cutlass.min(base + j * threads + tid, last_slot)] - offset
+                 for j in range(BATCH)]
+        for j in cutlass.range_constexpr(BATCH):
+            s = base + j * threads + tid
+            rank = Int32(-1)
+            if local[j] >= 0 and local[j] < num_experts and s < num_slots:
+                rank = cute.arch.atomic_add((counts.iterator + local[j]).llvm_ptr, Int32(1), scope="cta")
+            if s < num_slots:
+                expanded_to_permuted[s] = rank
     cute.arch.sync_threads()
 
-    # Warp 0: exclusive scan of the tile-padded counts, 32 experts at a time.
+    # Warp 0: exclusive scan of the tile-padded counts; lane l sums its run of `per` experts, one warp scan of the
+    # runs' sums, then each lane writes its run's starts.
     if warp == 0:
-        carry = Int32(0)
-        for base in cutlass.range(0, num_experts, WARP):
-            e = base + lane
-            count = Int32(0)
-            if e < num_experts:
-                count = counts[e]
-            padded = (count + tile - 1) // tile * tile
-            inclusive = padded
-            for step in cutlass.range_constexpr(5):
-                neighbour = cute.arch.shuffle_sync_up(inclusive, 1 << step)
-                if lane >= (1 << step):
-                    inclusive = inclusive + neighbour
-            if e < num_experts:
-                start = carry + inclusive - padded
-                starts[e] = start
-                expert_counts[e] = count
-                expert_offsets[e] = start
-            carry = carry + cute.arch.shuffle_sync(inclusive, WARP - 1)
-        if lane == 0:
-            starts[num_experts] = carry
-            expert_offsets[num_experts] = carry
-            num_live_tiles[0] = carry // tile
+        per = (num_experts + WARP - 1) // WARP
+        first = lane * per
+        run_end = cutlass.min(first + per, num_experts)
+        total = Int32(0)
+        for e in cutlass.range(first, run_end):
+            total = total + (counts[e] + tile - 1) // tile * tile
+        inclusive = total
+        for step in cutlass.range_constexpr(5):
+            neighbour = cute.arch.shuffle_sync_up(inclusive, 1 << step)
+            if lane >= (1 << step):
+                inclusive = inclusive + neighbour
+        run_start = inclusive - total
+        for e in cutlass.range(first, run_end):
+            count = counts[e]
+            starts[e] = run_start
+            expert_counts[e] = count
+            expert_offsets[e] = run_start
+            run_start = run_start + (count + tile - 1) // tile * tile
+        if lane == WARP - 1:
+            starts[num_experts] = inclusive
+            expert_offsets[num_experts] = inclusive
+            num_live_tiles[0] = inclusive // tile
     # Padding rows and dead tiles are cleared here and overwritten below after the barrier.
     for r in cutlass.range(tid, cute.size(permuted_to_expanded), threads):
         permuted_to_expanded[r] = Int32(-1)
@@ -108,12 +118,16 @@ def route(ids: cute.Tensor, num_experts: Int32, offset: Int32, tile: Int32, expe
         tile_to_mn_limit[t] = Int32(0)
     cute.arch.sync_threads()
 
-    for s in cutlass.range(tid, num_slots, threads):
-        rank = expanded_to_permuted[s]
-        if rank >= 0:
-            row = starts[ids[s] - offset] + rank
-            expanded_to_permuted[s] = row
-            permuted_to_expanded[row] = s
+    for base in cutlass.range(0, num_slots, threads * BATCH):
+        clamped = [cutlass.min(base + j * threads + tid, last_slot) for j in range(BATCH)]
+        ranks = [expanded_to_permuted[clamped[j]] for j in range(BATCH)]
+        local = [ids[clamped[j]] - offset for j in range(BATCH)]
+        for j in cutlass.range_constexpr(BATCH):
+            s = base + j * threads + tid
+            if ranks[j] >= 0 and s < num_slots:
+                row = starts[local[j]] + ranks[j]
+                expanded_to_permuted[s] = row
+                permuted_to_expanded[row] = s
     for e in cutlass.range(tid, num_experts, threads):
         begin = starts[e]
         end = begin + counts[e]
