@@ -80,10 +80,10 @@ export MOE_EXT_KERNEL_DIR=${MOE_EXT_KERNEL_DIR:-$PWD/.kernels}
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } > "$LOG/env.txt" 2>&1
 : > "$OUT/summary.txt"
-# ab_wgmma, ab_bench and timeline install their directories themselves, formats needs no launcher (it JIT-compiles
-# its kernels) and tma_stream and launch_cost only nvcc: alone, none of them installs the default one first.
-if [ "$PARTS" != ab_wgmma ] && [ "$PARTS" != ab_bench ] && [ "$PARTS" != formats ] && [ "$PARTS" != tma_stream ] \
-   && [ "$PARTS" != timeline ] && [ "$PARTS" != launch_cost ]; then
+# ab_wgmma, ab_bench, ab_routing and timeline install their directories themselves, formats needs no launcher (it
+# JIT-compiles its kernels) and tma_stream and launch_cost only nvcc: alone, none of them installs the default one first.
+if [ "$PARTS" != ab_wgmma ] && [ "$PARTS" != ab_bench ] && [ "$PARTS" != ab_routing ] && [ "$PARTS" != formats ] \
+   && [ "$PARTS" != tma_stream ] && [ "$PARTS" != timeline ] && [ "$PARTS" != launch_cost ]; then
   MOE_EXT_REQUIRE_LAUNCHER=1 bash scripts/install.sh > "$LOG/install.log" 2>&1
   echo "install rc=$?" | tee -a "$OUT/summary.txt"
 fi
