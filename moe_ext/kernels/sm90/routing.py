@@ -56,8 +56,11 @@ def route(ids: cute.Tensor, num_experts: Int32, offset: Int32, tile: Int32, expe
           tile_to_expert: cute.Tensor, tile_to_mn_limit: cute.Tensor, num_live_tiles: cute.Tensor,
           counts: cute.Tensor, starts: cute.Tensor):
     """The whole routing, by one CTA of CONFIG.threads threads. Both passes over the slots keep BATCH of a thread's
-    loads in flight (one slot at a time, each pass was a chain of dependent round trips: 48 µs at DeepSeek-V3
-    T=4096, h200_routing.md), and warp 0 scans the experts in one pass, a run of them a lane."""
+    loads in flight, and warp 0 scans the experts in one pass, a run of them a lane. One slot at a time, the launch
+    that also copies x for the wgmma GEMMs took 101 µs at DeepSeek-V3 T=4096 on an H100 (its routing CTA's round
+    trips queued behind the copy's traffic), 65 batched; 411 -> 260 at T=16384 (h100_session57_routing_ab.json).
+    The routing alone moved less (48 -> 45 µs), and at T = 1-64 it is 0.2-1.5 µs slower (its longer code):
+    docs/experiments/routing_small_t.patch batches only past CONFIG.threads slots."""
     threads = CONFIG.threads
     tid, _, _ = cute.arch.thread_idx()
     lane = cute.arch.lane_idx()
