@@ -118,6 +118,11 @@ class _TacticCache(dict):
         return super().setdefault(key, default)
 
 
+# The cache file's format. Version 2 keys carry the card (device_signature): version 1 entries, keyed without it,
+# are dropped on load, and those points retune.
+CACHE_VERSION = 2
+
+
 class AutoTuner:
     """Process-wide tactic cache. Keys are tuples of plain values; the cache file stores their repr()."""
 
@@ -182,11 +187,6 @@ class AutoTuner:
         with open(tmp, "w") as f:
             json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1)
         os.replace(tmp, path)
-
-
-# The cache file's format. Version 2 keys carry the card (device_signature): version 1 entries, keyed without it,
-# are dropped on load, and those points retune.
-CACHE_VERSION = 2
 
 
 def device_signature(device: torch.device) -> tuple:
